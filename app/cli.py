@@ -1,0 +1,95 @@
+"""Headless command line: `python main.py chat --document FILE --ask "..."` streams the answer.
+
+`kvscope` / `python main.py` with no command runs the chat on the bundled sample document.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SAMPLE = Path(__file__).resolve().parent.parent / "resources" / "samples" / "kv_cache_offload_primer.md"
+SAMPLE_QUESTION = "In two sentences: why does layer-wise offload move no bytes to the GPU during prefill?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvscope", description="Chat with a long document on kvscope's engine.")
+    sub = p.add_subparsers(dest="command")
+    c = sub.add_parser("chat", help="ask one question about a document, stream the answer")
+    c.add_argument("--document", "-d", type=Path, default=None, help="text, markdown, PDF or HTML file "
+                   "(default: the bundled sample)")
+    c.add_argument("--ask", "-q", default=None, help="the question (default: a question about the sample)")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--model", "-m", default=None, help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    c.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    c.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--json", action="store_true", help="print one JSON object at the end (answer + stats)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["chat"]
+    args = build_parser().parse_args(argv)
+    if args.command != "chat":
+        build_parser().print_help()
+        return 2
+    try:
+        return _chat(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        from engine.errors import KVScopeError
+        if isinstance(e, KVScopeError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _progress(fraction: float, message: str) -> None:
+    print(f"[{fraction * 100:3.0f}%] {message}", file=sys.stderr, flush=True)
+
+
+def _chat(args) -> int:
+    from app.documents import load_document
+    from app.prompt import document_messages
+    from engine import LLM, SamplingParams
+
+    doc_path = args.document or SAMPLE
+    question = args.ask or (SAMPLE_QUESTION if args.document is None else None)
+    if not question or not question.strip():
+        print("error: --ask needs a question", file=sys.stderr)
+        return 2
+    document = load_document(doc_path)  # before the model: bad input fails fast
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_new_tokens, seed=args.seed)
+    llm = LLM(args.model, progress=_progress, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    messages = document_messages(document.text, question, document.name, args.system)
+    answer = []
+    stats = None
+    for chunk in llm.stream(messages, params):
+        if chunk.stats is not None:
+            stats = chunk.stats
+        elif chunk.text:
+            answer.append(chunk.text)
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+    if args.json:
+        print(json.dumps({"answer": "".join(answer), "document": str(doc_path), "question": question,
+                          "model": llm.model_name, "device": str(llm.device),
+                          "dtype": str(llm.dtype).removeprefix("torch."), **stats.to_dict()}, indent=2))
+    else:
+        print("\n")
+        print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached) · answer {stats.completion_tokens} "
+              f"tok · TTFT {stats.ttft_s:.2f} s · prefill {stats.prefill_tok_s:,.0f} tok/s · decode "
+              f"{stats.decode_tok_s:.1f} tok/s · {stats.finish_reason}", file=sys.stderr)
+    return 0

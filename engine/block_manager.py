@@ -1,0 +1,112 @@
+"""Paged KV blocks with a prefix cache.
+
+A full block is keyed by a chained xxhash: hash(previous block's key, this block's token ids). Equal prefixes
+give equal keys, so a second question about the same document finds the document's blocks already computed.
+A freed block keeps its key and contents until it is handed out again, so the cache outlives the request.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from engine.sequence import Sequence
+
+
+def block_hash(token_ids: list[int], prefix: int = -1) -> int:
+    h = xxhash.xxh64()
+    if prefix != -1:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id, self.ref_count, self.hash, self.token_ids = block_id, 0, -1, []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.used_ids: set[int] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.used_ids)
+
+    def _take(self, block_id: int) -> Block:
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # its old contents are about to be overwritten
+        block.ref_count, block.hash, block.token_ids = 1, -1, []
+        self.free_ids.remove(block_id)
+        self.used_ids.add(block_id)
+        return block
+
+    def _register(self, block: Block, h: int, token_ids: list[int]) -> None:
+        block.hash, block.token_ids = h, list(token_ids)
+        self.hash_to_block[h] = block.block_id
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return len(self.free_ids) >= seq.num_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for the whole prompt; full blocks found in the prefix cache are shared, not recomputed.
+        The block holding the last prompt token is always computed (its logits start the answer)."""
+        assert not seq.block_table
+        h, cache_open = -1, True
+        for i in range(seq.num_blocks):
+            tokens = seq.block(i)
+            full = len(tokens) == self.block_size
+            h = block_hash(tokens, h) if full else -1
+            hit = self.hash_to_block.get(h, -1) if full else -1
+            reusable = hit != -1 and self.blocks[hit].token_ids == tokens
+            cache_open = cache_open and reusable and (i + 1) * self.block_size < len(seq)
+            if cache_open:
+                seq.num_cached_tokens += self.block_size
+                if hit in self.used_ids:
+                    self.blocks[hit].ref_count += 1
+                    block = self.blocks[hit]
+                else:
+                    block = self._take(hit)
+            else:
+                block = self._take(self.free_ids[0])
+            if full:
+                self._register(block, h, tokens)
+            seq.block_table.append(block.block_id)
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_ids.discard(block_id)
+                self.free_ids.append(block_id)
+        seq.num_cached_tokens = 0
+        seq.block_table = []
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the KV of the last token (a new block only when the previous one is full)."""
+        return len(self.free_ids) >= (len(seq) % self.block_size == 1)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step writes the KV of token len-1: open a block if it starts one, and register
+        the block just completed so later requests can reuse it (e.g. the next turn of a chat)."""
+        if len(seq) % self.block_size == 1 and len(seq) > 1:
+            full = self.blocks[seq.block_table[-1]]
+            if full.hash == -1:
+                prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
+                tokens = seq.block(len(seq.block_table) - 1)
+                self._register(full, block_hash(tokens, prev), tokens)
+            seq.block_table.append(self._take(self.free_ids[0]).block_id)

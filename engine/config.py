@@ -1,0 +1,71 @@
+"""Engine settings, validated up front with messages that say what to change."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from engine.errors import ConfigError
+
+MODES = ("gpu",)  # offload modes join here as they land
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # Hugging Face folder; None = the embedded default model
+    shape: str | None = None            # a name from shared/model_shapes.json: random weights (benchmarks)
+    device: str | None = None           # "cuda", "cuda:1", "cpu"; None = cuda when available
+    dtype: str | None = None            # None = bf16 on GPU, fp32 on CPU
+    mode: str = "gpu"                   # where KV lives (DESIGN.md §2.1)
+    max_model_len: int | None = None    # None = the model's own context length
+    max_num_seqs: int = 16              # sequences decoded together (gpu mode)
+    max_num_batched_tokens: int | None = None  # tokens batched per prefill step; None = min(max_model_len, 32K)
+    kv_block_size: int = 256            # tokens per paged KV block (prefix-cache granularity)
+    num_kv_blocks: int | None = None    # None = sized from memory (gpu_memory_utilization / cpu_kv_cache_gb)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 4.0
+    enforce_eager: bool = False         # True = no CUDA graphs for decode
+    torch_threads: int | None = None    # CPU threads for torch; None = torch's default
+    seed: int = 0                       # for random weights (--shape)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.kv_block_size < 16 or self.kv_block_size & (self.kv_block_size - 1):
+            raise ConfigError(f"kv_block_size must be a power of two >= 16 (got {self.kv_block_size})")
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1 (got {value})")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.99] (got {self.gpu_memory_utilization})")
+        if self.model is not None and self.shape is not None:
+            raise ConfigError("give either a model folder or a --shape for random weights, not both")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    def resolve_device(self) -> torch.device:
+        name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {name} was asked for, but this machine has no CUDA device "
+                              "(or torch was built without CUDA): use --device cpu")
+        if device.type not in ("cuda", "cpu"):
+            raise ConfigError(f"unsupported device {name!r}: use cuda or cpu")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if device.type == "cuda" else torch.float32

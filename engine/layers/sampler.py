@@ -1,0 +1,51 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with an optional per-request seed.
+
+Random draws use the exponential-race form of sampling (argmax of p / Exp(1) noise), one generator per
+seeded request, so a seeded request gives the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}
+
+    def forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
+        """logits [B, V] (any float dtype) -> one token id per row."""
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        tokens = []
+        for row, p, sid in zip(logits.float(), params, seq_ids):
+            tokens.append(int(row.argmax()) if p.greedy else self._sample(row, p, sid))
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(seq_id, p.seed))
+        return int((probs / noise).argmax())
+
+    def _generator(self, seq_id: int, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if seq_id not in self._generators:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self._generators[seq_id] = g
+        return self._generators[seq_id]

@@ -1,0 +1,256 @@
+"""LLM: load a model, then generate, stream and count tokens. The one entry point of the engine."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
+from engine.model_runner import ModelRunner
+from engine.models.loader import build_model, load_weights, random_weights
+from engine.models.registry import parse_config, read_config, shape_config
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    cached_tokens: int          # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int
+    ttft_s: float               # request start (incl. tokenization) to the first answer token
+    prefill_tok_s: float        # computed (uncached) prompt tokens per second of prefill
+    decode_tok_s: float         # answer tokens after the first, per second
+    total_s: float
+    finish_reason: str          # stop | length | cancelled
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StreamChunk:
+    text: str                              # new answer text ("" in the final chunk)
+    stats: GenerationStats | None = None   # set in the final chunk only
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class LLM:
+    def __init__(self, model: str | None = None, progress: Progress | None = None, **config):
+        self.config = EngineConfig.from_kwargs(model=model, **config)
+        cfg = self.config
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.device = cfg.resolve_device()
+        self.dtype = cfg.resolve_dtype(self.device)
+        self.tokenizer = None
+        if cfg.shape is not None:
+            self.model_dir, self.model_name = None, f"random weights, {cfg.shape} shape"
+            args = parse_config(shape_config(cfg.shape), f"--shape {cfg.shape}")
+        else:
+            self.model_dir = _resolve_model_dir(cfg.model, progress)
+            self.model_name = self.model_dir.name
+            args = read_config(self.model_dir)
+            self.tokenizer = _load_tokenizer(self.model_dir)
+        self.args = args
+        self.max_model_len = cfg.max_model_len or args.max_position_embeddings
+        if self.max_model_len > args.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context of "
+                              f"{args.max_position_embeddings} tokens")
+        if progress:
+            progress(0.0, f"loading {self.model_name} on {self.device} ({str(self.dtype).removeprefix('torch.')})")
+        try:
+            model = build_model(args, self.device, self.dtype)
+            if self.model_dir is None:
+                random_weights(model, cfg.seed)
+            else:
+                load_weights(model, self.model_dir)
+            self.runner = ModelRunner(model, cfg, self.device, self.dtype, self.max_model_len)
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(f"{self.model_name} does not fit in {self.device} memory in "
+                                   f"{str(self.dtype).removeprefix('torch.')}: use a smaller model or --device cpu") from None
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.kv_block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.runner.max_num_batched_tokens,
+                                   self._eos_ids(), self.max_model_len)
+        if progress:
+            progress(1.0, "ready")
+
+    # ---------------------------------------------------------------- tokens
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.args.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen = self.model_dir / "generation_config.json" if self.model_dir else None
+        if gen and gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ConfigError("this engine has random weights and no tokenizer: pass token ids, not text")
+        return self.tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._need_tokenizer().encode(text, add_special_tokens=False))
+
+    def chat_prompt_ids(self, messages: list[dict] | str) -> list[int]:
+        tok = self._need_tokenizer()
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not tok.chat_template:
+            raise ModelError(f"{self.model_name} has no chat template: use generate() with plain text")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.config.kv_block_size
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        ids = prompt if isinstance(prompt, list) else self._need_tokenizer().encode(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        if len(ids) >= limit:
+            if limit == self.max_model_len:
+                why = f"the model's context is {self.max_model_len} tokens"
+                fix = "shorten the document (or ask about a part of it)"
+            else:
+                why = f"the KV cache holds {self.kv_capacity_tokens} tokens"
+                fix = "raise gpu_memory_utilization / cpu_kv_cache_gb or num_kv_blocks"
+            raise ContextTooLongError(f"the prompt is {len(ids)} tokens but {why} (one more is needed for the "
+                                      f"answer): {fix}", len(ids), limit)
+        seq = Sequence(ids, params, self.config.kv_block_size)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        t0 = time.perf_counter()
+        for s in seqs:
+            if is_prefill and s.t_prefill_start is None:
+                s.t_prefill_start = t0
+        try:
+            tokens = self.runner.run(seqs, is_prefill)
+        except torch.OutOfMemoryError:
+            for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.finish(s, "cancelled")
+            torch.cuda.empty_cache()
+            raise OutOfMemoryError("out of GPU memory during " + ("prefill" if is_prefill else "decode") +
+                                   ": lower max_num_batched_tokens, max_num_seqs or gpu_memory_utilization") from None
+        self.scheduler.postprocess(seqs, tokens)
+        for s in seqs:
+            if s.is_finished:
+                self.runner.sampler.forget(s.seq_id)
+        return seqs
+
+    def cancel(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, "cancelled")
+        self.runner.sampler.forget(seq.seq_id)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run several prompts together (batched in gpu mode); plain strings are used as is (no chat template)."""
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while not all(s.is_finished for s in seqs):
+            self.step()
+        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s)) for s in seqs]
+
+    def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None
+               ) -> Iterator[StreamChunk]:
+        """Chat: yield the answer as it is generated, then a final chunk with the stats.
+        `cancel` is anything with is_set() (threading.Event); it is checked between steps."""
+        t_start = time.perf_counter()
+        seq = self.add_request(self.chat_prompt_ids(messages), params or SamplingParams())
+        seq.t_arrival = t_start
+        detok = _Detokenizer(self.tokenizer)
+        seen = 0
+        try:
+            while not seq.is_finished:
+                if cancel is not None and cancel.is_set():
+                    self.cancel(seq)
+                    break
+                self.step()
+                new = seq.completion_token_ids[seen:]
+                seen += len(new)
+                text = "".join(detok.push(t) for t in new)
+                if text:
+                    yield StreamChunk(text)
+        finally:
+            if not seq.is_finished:  # the consumer stopped early (closed generator): free the blocks
+                self.cancel(seq)
+        yield StreamChunk("", _stats(seq))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+class _Detokenizer:
+    """Incremental decoding that never emits half a multi-byte character."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+def _stats(seq: Sequence) -> GenerationStats:
+    end = seq.t_last_token or time.perf_counter()
+    first = seq.t_first_token or end
+    prefill_s = first - (seq.t_prefill_start or first)
+    computed = seq.num_prompt_tokens - seq.num_cached_tokens
+    decode_n = seq.num_completion_tokens - 1
+    return GenerationStats(
+        prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+        completion_tokens=seq.num_completion_tokens, ttft_s=first - seq.t_arrival,
+        prefill_tok_s=computed / prefill_s if prefill_s > 0 else 0.0,
+        decode_tok_s=decode_n / (end - first) if decode_n > 0 and end > first else 0.0,
+        total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled")
+
+
+def _resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
+    if model is None:
+        from engine.defaults import ensure_default_model
+        return ensure_default_model(progress)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}; --model takes a Hugging Face model folder "
+                         "(config.json, *.safetensors, tokenizer files), or leave it out for the default model")
+    return path
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        raise ModelError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); the folder needs "
+                         "tokenizer.json or tokenizer.model with tokenizer_config.json") from None

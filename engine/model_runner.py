@@ -1,0 +1,174 @@
+"""One forward step over a batch of sequences: build the inputs, run the model, sample.
+
+Owns the model, the paged KV cache and (on CUDA) the decode CUDA graphs. KV cache: one tensor
+[2, layers, blocks + 1, block_size, Hkv, D]; the extra last block is scratch for the padded rows of a graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import OutOfMemoryError
+from engine.layers.sampler import Sampler
+from engine.models.llama import CausalLM
+from engine.ops.attention import AttnMetadata
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int):
+        self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.args = model.args
+        self.block_size = config.kv_block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or min(max_model_len, 32768)
+        self.sampler = Sampler(device)
+        self.num_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
+
+    # ---------------------------------------------------------------- KV cache
+    @property
+    def block_bytes(self) -> int:
+        return self.args.kv_bytes_per_token * self.block_size * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        cfg, a = self.config, self.args
+        wanted = self.max_blocks_per_seq * cfg.max_num_seqs
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = min(wanted, self._blocks_that_fit_on_gpu())
+        else:
+            num_blocks = min(wanted, int(cfg.cpu_kv_cache_gb * 2**30 // self.block_bytes))
+        if num_blocks < 1:
+            raise OutOfMemoryError(
+                f"no room for the KV cache ({self.block_bytes / 2**20:.1f} MiB per block of {self.block_size} tokens): "
+                "raise gpu_memory_utilization / cpu_kv_cache_gb, lower max_num_batched_tokens, or use a smaller model")
+        shape = (2, a.num_layers, num_blocks + 1, self.block_size, a.num_kv_heads, a.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(f"the KV cache of {num_blocks} blocks does not fit: lower num_kv_blocks or "
+                                   "gpu_memory_utilization") from None
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+        return num_blocks
+
+    def _blocks_that_fit_on_gpu(self) -> int:
+        """Measure peak activations with one full-size prefill (no KV yet), then size the cache from what is left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttnMetadata(True, torch.zeros(n, dtype=torch.long, device=self.device), q_lens=[n], k_lens=[n])
+        try:
+            self.model.logits(self.model(ids, torch.arange(n, device=self.device), meta)[-1:])
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(f"a prefill of {n} tokens does not fit in GPU memory: lower max_num_batched_tokens "
+                                   "or max_model_len") from None
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        budget = total * self.config.gpu_memory_utilization - used - peak_extra
+        return int(budget // self.block_bytes) - 1
+
+    # ---------------------------------------------------------------- inputs
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        ids, pos, slots, q_lens, k_lens = [], [], [], [], []
+        bs = self.block_size
+        for s in seqs:
+            start = s.num_cached_tokens
+            ids += s.token_ids[start:]
+            pos += range(start, len(s))
+            slots += [s.block_table[i // bs] * bs + i % bs for i in range(start, len(s))]
+            q_lens.append(len(s) - start)
+            k_lens.append(len(s))
+        cu_q = [0]
+        cu_k = [0]
+        for q, k in zip(q_lens, k_lens):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + k)
+        meta = AttnMetadata(True, self._tensor(slots), q_lens=q_lens, k_lens=k_lens,
+                            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32))
+        if any(q != k for q, k in zip(q_lens, k_lens)):
+            meta.block_tables = self._block_tables(seqs)
+        last_rows = self._tensor([c - 1 for c in cu_q[1:]])
+        return self._tensor(ids), self._tensor(pos), meta, last_rows
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        bs = self.block_size
+        ids = [s.last_token for s in seqs]
+        pos = [len(s) - 1 for s in seqs]
+        slots = [s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs]
+        meta = AttnMetadata(False, self._tensor(slots), block_tables=self._block_tables(seqs),
+                            context_lens=self._tensor([len(s) for s in seqs], torch.int32))
+        return self._tensor(ids), self._tensor(pos), meta
+
+    # ---------------------------------------------------------------- step
+    @torch.inference_mode()
+    def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Logits [B, vocab] of each sequence's last position."""
+        if is_prefill:
+            ids, pos, meta, last_rows = self.prepare_prefill(seqs)
+            return self.model.logits(self.model(ids, pos, meta)[last_rows])
+        return self._decode_logits(seqs)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        logits = self.forward_logits(seqs, is_prefill)
+        return self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+
+    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        ids, pos, meta = self.prepare_decode(seqs)
+        n = len(seqs)
+        graph_bs = next((b for b in sorted(self.graphs) if b >= n), None)
+        if graph_bs is None:
+            return self.model.logits(self.model(ids, pos, meta))
+        g = self.graph_vars
+        g["ids"][:n].copy_(ids)
+        g["pos"][:n].copy_(pos)
+        g["slots"].fill_(self.num_blocks * self.block_size)  # padded rows write into the scratch block
+        g["slots"][:n].copy_(meta.slot_mapping)
+        g["context_lens"].zero_()
+        g["context_lens"][:n].copy_(meta.context_lens)
+        g["block_tables"][:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.graphs[graph_bs].replay()
+        return self.model.logits(g["hidden"][:n])
+
+    def _capture_decode_graphs(self) -> None:
+        max_bs = min(self.config.max_num_seqs, 512)
+        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
+        if max_bs not in sizes:
+            sizes.append(max_bs)
+        dev = self.device
+        g = self.graph_vars = {
+            "ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "pos": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slots": torch.full((max_bs,), self.num_blocks * self.block_size, dtype=torch.long, device=dev),
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "hidden": torch.zeros(max_bs, self.args.hidden_size, dtype=self.dtype, device=dev),
+        }
+        pool = None
+        for b in sorted(sizes, reverse=True):
+            meta = AttnMetadata(False, g["slots"][:b], block_tables=g["block_tables"][:b],
+                                context_lens=g["context_lens"][:b])
+            g["hidden"][:b] = self.model(g["ids"][:b], g["pos"][:b], meta)  # warm-up (compiles kernels)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                g["hidden"][:b] = self.model(g["ids"][:b], g["pos"][:b], meta)
+            pool = graph.pool()
+            self.graphs[b] = graph
+            torch.cuda.synchronize()

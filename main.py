@@ -1,0 +1,7 @@
+"""kvscope: `python main.py` runs the program; `python main.py chat --document FILE --ask "..."` is the CLI."""
+import sys
+
+from app.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
