@@ -4,15 +4,23 @@
     llm = LLM()                                   # the embedded default model (SmolLM2-135M-Instruct)
     for chunk in llm.stream("What is a KV cache?", SamplingParams(max_tokens=64)):
         print(chunk.text, end="")
-"""
-from engine.config import MODES, EngineConfig
-from engine.errors import (ConfigError, ContextTooLongError, DocumentError, KVScopeError, ModelError,
-                           OutOfMemoryError)
-from engine.llm import LLM, Completion, GenerationStats, StreamChunk
-from engine.sampling import SamplingParams
 
+Names are imported on first use, so `engine.errors` or `engine.trace` load without torch.
+"""
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": "engine.llm", "GenerationStats": "engine.llm", "StreamChunk": "engine.llm", "Completion": "engine.llm",
+    "EngineConfig": "engine.config", "MODES": "engine.config", "SamplingParams": "engine.sampling",
+    "KVScopeError": "engine.errors", "ModelError": "engine.errors", "ConfigError": "engine.errors",
+    "DocumentError": "engine.errors", "ContextTooLongError": "engine.errors", "OutOfMemoryError": "engine.errors",
+}
 POLICIES = ("full",)  # sparse policies join here as they land
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "GenerationStats", "StreamChunk", "Completion", "MODES",
-           "POLICIES", "KVScopeError", "ModelError", "ConfigError", "DocumentError", "ContextTooLongError",
-           "OutOfMemoryError"]
+__all__ = [*_EXPORTS, "POLICIES"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

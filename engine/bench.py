@@ -1,0 +1,166 @@
+"""Benchmarks: ours vs transformers, side by side in one run, medians of repeats.
+
+    python -m engine.bench                                  # CPU, default model: prefill 2K/6K, decode
+    python -m engine.bench --shape qwen3-4b --lengths 32768 # GPU, random weights of Qwen3-4B's shape, bf16
+
+Prompts are random token ids, fresh per repeat (so the prefix cache never helps). Decode is timed from the
+first answer token to the last, at a context of the prompt length. Absolute times only mean something on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median(fn, repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+class Ours:
+    name = "kvscope"
+
+    def __init__(self, args, max_len: int):
+        self.llm = LLM(args.model, shape=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=1,
+                       max_model_len=max_len, enforce_eager=args.eager)
+        self.gen = torch.Generator().manual_seed(0)
+        self.vocab = self.llm.args.vocab_size
+
+    def _prompt(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    def prefill_s(self, n: int) -> float:
+        out = self.llm.generate([self._prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        return out.stats.ttft_s
+
+    def decode_s_per_token(self, ctx: int, steps: int) -> float:
+        out = self.llm.generate([self._prompt(ctx)], SamplingParams(max_tokens=steps + 1, ignore_eos=True))[0]
+        return 1.0 / out.stats.decode_tok_s
+
+    @property
+    def device(self):
+        return self.llm.device
+
+    def close(self):
+        del self.llm
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, args, ours: Ours):
+        import transformers as tf
+        self.device, dtype = ours.llm.device, ours.llm.dtype
+        if args.shape is not None:
+            from engine.models.registry import shape_config
+            cfg = tf.AutoConfig.for_model(**{k: v for k, v in shape_config(args.shape).items() if k != "torch_dtype"})
+        else:
+            cfg = tf.AutoConfig.from_pretrained(str(ours.llm.model_dir), local_files_only=True)
+        cfg._attn_implementation = "sdpa"
+        with torch.device(self.device):
+            self.model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+        if args.shape is None:  # same weights as ours
+            from safetensors.torch import load_file
+            state = {}
+            for f in sorted(ours.llm.model_dir.glob("*.safetensors")):
+                state.update(load_file(str(f)))
+            self.model.load_state_dict(state, strict=False)
+            self.model.tie_weights()
+        self.vocab = cfg.vocab_size
+        self.gen = torch.Generator().manual_seed(1)
+
+    def _generate_s(self, n: int, new: int) -> float:
+        ids = torch.randint(0, self.vocab, (1, n), generator=self.gen).to(self.device)
+        _sync(self.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, pad_token_id=0)
+        _sync(self.device)
+        return time.perf_counter() - t
+
+    def prefill_s(self, n: int) -> float:
+        return self._generate_s(n, 1)
+
+    def decode_s_per_token(self, ctx: int, steps: int) -> float:
+        return (self._generate_s(ctx, steps + 1) - self._generate_s(ctx, 1)) / steps
+
+    def close(self):
+        del self.model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
+    p.add_argument("--shape", default=None, help="random weights of a real model's shape, e.g. qwen3-4b")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--lengths", default=None, help="prompt lengths, comma separated (default 2048,6144 on CPU, "
+                   "32768 on GPU)")
+    p.add_argument("--decode-steps", type=int, default=None, help="tokens timed per decode run (default 32 CPU, 64 GPU)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    lengths = [int(x) for x in (args.lengths or ("32768" if on_gpu else "2048,6144")).split(",")]
+    steps = args.decode_steps or (64 if on_gpu else 32)
+    max_len = max(lengths) + steps + 16
+
+    rows: dict[str, dict[str, float]] = {}
+    backends = [Ours]
+    if not args.no_transformers:
+        backends.append(Transformers)
+    ours = None
+    for backend in backends:
+        engine = backend(args, max_len) if backend is Ours else backend(args, ours)
+        print(f"# {engine.name}: measuring", file=sys.stderr, flush=True)
+        for n in lengths:
+            rows.setdefault(f"prefill {n} (tok/s)", {})[engine.name] = n / _median(lambda: engine.prefill_s(n), args.repeats)
+        n = max(lengths)
+        rows.setdefault(f"decode @{n} (ms/token)", {})[engine.name] = 1e3 * _median(
+            lambda: engine.decode_s_per_token(n, steps), args.repeats)
+        if backend is Ours:
+            ours = engine
+            desc = (f"{engine.llm.model_name} · {engine.llm.device} · {str(engine.llm.dtype).removeprefix('torch.')} · "
+                    f"torch {torch.__version__} · graphs {'off' if args.eager or not on_gpu else 'on'}")
+        else:
+            engine.close()
+    if ours:
+        ours.close()
+    gc.collect()
+
+    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up; decode timed over {steps} tokens\n")
+    names = [b.name for b in backends]
+    print(f"{'':28}" + "".join(f"{n:>16}" for n in names) + ("   ours/transformers" if len(names) > 1 else ""))
+    for what, vals in rows.items():
+        line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>16,.2f}" for n in names)
+        if len(names) > 1:
+            ratio = vals["kvscope"] / vals["transformers"]
+            better = ratio if "tok/s" in what else 1 / ratio
+            line += f"   {better:.2f}x {'faster' if better >= 1 else 'slower'}"
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": desc, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
