@@ -65,6 +65,7 @@ class BlockManager:
         """Blocks for the whole prompt; full blocks found in the prefix cache are shared, not recomputed.
         The block holding the last prompt token is always computed (its logits start the answer)."""
         assert not seq.block_table
+        seq.num_cached_tokens = 0
         h, cache_open = -1, True
         for i in range(seq.num_blocks):
             tokens = seq.block(i)
@@ -93,7 +94,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self.used_ids.discard(block_id)
                 self.free_ids.append(block_id)
-        seq.num_cached_tokens = 0
         seq.block_table = []
 
     def can_append(self, seq: Sequence) -> bool:

@@ -15,13 +15,21 @@ from engine.sequence import Sequence
 from tests.engine.tiny import tiny_model
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
-    ref = tiny_model(arch, tmp_path)
+def test_prefill_and_decode_logits_match_transformers(arch, device, tmp_path):
+    """On CUDA this runs the Triton decode kernel inside the captured decode CUDA graphs."""
+    ref = tiny_model(arch, tmp_path).to(device)
     args = read_config(tmp_path)
-    model = load_weights(build_model(args, torch.device("cpu"), torch.float32), Path(tmp_path))
-    cfg = EngineConfig(model=str(tmp_path), device="cpu", kv_block_size=16, num_kv_blocks=16, max_num_seqs=2)
-    runner = ModelRunner(model, cfg, torch.device("cpu"), torch.float32, max_model_len=256)
+    dev = torch.device(device)
+    model = load_weights(build_model(args, dev, torch.float32), Path(tmp_path))
+    cfg = EngineConfig(model=str(tmp_path), device=device, kv_block_size=16, num_kv_blocks=16, max_num_seqs=2)
+    runner = ModelRunner(model, cfg, dev, torch.float32, max_model_len=256)
+    assert (device == "cuda") == bool(runner.graphs)
     bm = BlockManager(runner.num_blocks, 16)
 
     prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -30,8 +38,8 @@ def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
     ours = runner.forward_logits([seq], is_prefill=True)[0]
     for step in range(12):  # 37 + 12 crosses the 48-token boundary during decode
         with torch.no_grad():
-            want = ref(torch.tensor([seq.token_ids])).logits[0, -1]
-        torch.testing.assert_close(ours, want, atol=2e-4, rtol=1e-4, msg=f"{arch}: step {step}")
+            want = ref(torch.tensor([seq.token_ids], device=device)).logits[0, -1]
+        torch.testing.assert_close(ours, want, atol=5e-4, rtol=1e-4, msg=f"{arch}: step {step}")
         seq.append_token(int(want.argmax()))
         bm.may_append(seq)
         ours = runner.forward_logits([seq], is_prefill=False)[0]
