@@ -71,7 +71,7 @@ class Transformers:
             cfg = tf.AutoConfig.from_pretrained(str(ours.llm.model_dir), local_files_only=True)
         cfg._attn_implementation = "sdpa"
         with torch.device(self.device):
-            self.model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+            self.model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
         if args.shape is None:  # same weights as ours
             from safetensors.torch import load_file
             state = {}

@@ -250,7 +250,9 @@ def _resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise ModelError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); the folder needs "
                          "tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+    tok.model_max_length = 1 << 40  # the engine checks lengths itself, against the real limits, with better words
+    return tok

@@ -1,7 +1,8 @@
 """One forward step over a batch of sequences: build the inputs, run the model, sample.
 
-Owns the model, the paged KV cache and (on CUDA) the decode CUDA graphs. KV cache: one tensor
-[2, layers, blocks + 1, block_size, Hkv, D]; the extra last block is scratch for the padded rows of a graph.
+Owns the model, the paged KV cache and, on CUDA, the decode CUDA graphs (embedding to logits, one per batch
+size). KV cache: one tensor [2, layers, blocks + 1, block_size, Hkv, D]; the extra block is scratch for the
+padded rows of a graph.
 """
 from __future__ import annotations
 
@@ -108,14 +109,23 @@ class ModelRunner:
         last_rows = self._tensor([c - 1 for c in cu_q[1:]])
         return self._tensor(ids), self._tensor(pos), meta, last_rows
 
-    def prepare_decode(self, seqs: list[Sequence]):
+    def _decode_host_inputs(self, seqs: list[Sequence]):
+        """ids, positions, slots, context lens as one pinned [4, B] int64 tensor, plus the block tables."""
         bs = self.block_size
-        ids = [s.last_token for s in seqs]
-        pos = [len(s) - 1 for s in seqs]
-        slots = [s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs]
-        meta = AttnMetadata(False, self._tensor(slots), block_tables=self._block_tables(seqs),
-                            context_lens=self._tensor([len(s) for s in seqs], torch.int32))
-        return self._tensor(ids), self._tensor(pos), meta
+        rows = [[s.last_token for s in seqs], [len(s) - 1 for s in seqs],
+                [s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs], [len(s) for s in seqs]]
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        pin = self.device.type == "cuda"
+        return (torch.tensor(rows, dtype=torch.int64, pin_memory=pin),
+                torch.tensor(tables, dtype=torch.int32, pin_memory=pin))
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        host, tables = self._decode_host_inputs(seqs)
+        dev = host.to(self.device, non_blocking=True)
+        meta = AttnMetadata(False, dev[2], block_tables=tables.to(self.device, non_blocking=True),
+                            context_lens=dev[3].to(torch.int32))
+        return dev[0], dev[1], meta
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
@@ -131,21 +141,21 @@ class ModelRunner:
         return self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
 
     def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        ids, pos, meta = self.prepare_decode(seqs)
         n = len(seqs)
         graph_bs = next((b for b in sorted(self.graphs) if b >= n), None)
         if graph_bs is None:
-            return self.model.logits(self.model(ids, pos, meta))
+            return self.model.logits(self.model(*self.prepare_decode(seqs)))
+        host, tables = self._decode_host_inputs(seqs)
         g = self.graph_vars
-        g["ids"][:n].copy_(ids)
-        g["pos"][:n].copy_(pos)
+        g["ids"][:n].copy_(host[0], non_blocking=True)
+        g["pos"][:n].copy_(host[1], non_blocking=True)
         g["slots"].fill_(self.num_blocks * self.block_size)  # padded rows write into the scratch block
-        g["slots"][:n].copy_(meta.slot_mapping)
+        g["slots"][:n].copy_(host[2], non_blocking=True)
         g["context_lens"].zero_()
-        g["context_lens"][:n].copy_(meta.context_lens)
-        g["block_tables"][:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        g["context_lens"][:n].copy_(host[3], non_blocking=True)
+        g["block_tables"][:n, :tables.shape[1]].copy_(tables, non_blocking=True)
         self.graphs[graph_bs].replay()
-        return self.model.logits(g["hidden"][:n])
+        return g["logits"][:n]
 
     def _capture_decode_graphs(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
@@ -159,16 +169,17 @@ class ModelRunner:
             "slots": torch.full((max_bs,), self.num_blocks * self.block_size, dtype=torch.long, device=dev),
             "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
             "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "hidden": torch.zeros(max_bs, self.args.hidden_size, dtype=self.dtype, device=dev),
+            "logits": torch.zeros(max_bs, self.args.vocab_size, dtype=self.dtype, device=dev),
         }
         pool = None
         for b in sorted(sizes, reverse=True):
             meta = AttnMetadata(False, g["slots"][:b], block_tables=g["block_tables"][:b],
                                 context_lens=g["context_lens"][:b])
-            g["hidden"][:b] = self.model(g["ids"][:b], g["pos"][:b], meta)  # warm-up (compiles kernels)
+            step = lambda: self.model.logits(self.model(g["ids"][:b], g["pos"][:b], meta))  # noqa: E731
+            g["logits"][:b] = step()  # warm-up: compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                g["hidden"][:b] = self.model(g["ids"][:b], g["pos"][:b], meta)
+                g["logits"][:b] = step()
             pool = graph.pool()
             self.graphs[b] = graph
             torch.cuda.synchronize()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.ops.fused import add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -11,15 +13,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

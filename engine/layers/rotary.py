@@ -2,7 +2,7 @@
 
 Supported scalings: none ("default"), "linear", and Llama 3's frequency-dependent "llama3"
 (Meta's formula: long wavelengths are divided by `factor`, short ones kept, a smooth blend between).
-cos/sin are computed from the positions on the fly: no table sized by the maximum context.
+cos/sin are computed from the positions once per step: no table sized by the maximum context.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.errors import ModelError
+from engine.ops.fused import rope_cos_sin
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -36,18 +37,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the inverse frequencies; cos/sin are computed once per step (see `cos_sin`) and shared by all layers."""
+
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated q, k (same dtype)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.inv_freq, dtype)

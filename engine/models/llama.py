@@ -7,12 +7,12 @@ Layers are reachable one by one (embed, layers[i], final norm, logits) so the of
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import PagedAttention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.ops.fused import qk_norm_rope, rope, silu_mul
 from engine.models.registry import ModelArgs
 from engine.ops.attention import AttnMetadata, default_scale
 
@@ -25,20 +25,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nq * self.d, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
-        self.rotary = RotaryEmbedding(self.d, a.rope_theta, a.rope_scaling)
         self.attn = PagedAttention(self.nq, self.nkv, self.d, default_scale(self.d))
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor):
+    def project(self, x: torch.Tensor, cos_sin):
         """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] with norms and rotary applied."""
         q, k, v = self.qkv_proj(x).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k, v = q.view(-1, self.nq, self.d), k.view(-1, self.nkv, self.d), v.view(-1, self.nkv, self.d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
+        else:
+            q, k = rope(q, k, *cos_sin)
         return q, k, v
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        q, k, v = self.project(positions, x)
+    def forward(self, x: torch.Tensor, cos_sin, meta: AttnMetadata) -> torch.Tensor:
+        q, k, v = self.project(x, cos_sin)
         return self.o_proj(self.attn(q, k, v, meta).flatten(1))
 
 
@@ -49,8 +49,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -61,13 +60,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, positions, h, residual, meta):
+    def forward(self, h, residual, cos_sin, meta):
         """(h, residual) -> (h, residual); the residual add is fused into the next norm."""
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, meta)
+        h = self.self_attn(h, cos_sin, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -79,6 +78,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -86,8 +86,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """-> final hidden states [T, hidden] (normed). Call `logits` on the rows you need."""
         h, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for layer in self.layers:
-            h, residual = layer(positions, h, residual, meta)
+            h, residual = layer(h, residual, cos_sin, meta)
         return self.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelError
+from engine.layers.rotary import rope_inv_freq
 from engine.models.llama import CausalLM
 from engine.models.registry import ModelArgs
 
@@ -20,14 +21,18 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bia
 
 
 def build_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    with torch.device("meta"):
-        model = CausalLM(args)
-    model = model.to_empty(device=device).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the target dtype: no fp32 copy on the device
+    try:
+        with torch.device("meta"):
+            model = CausalLM(args)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
     if args.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.embed_tokens.weight
-    for layer in model.layers:  # buffers computed at init do not survive to_empty
-        rot = layer.self_attn.rotary
-        rot.inv_freq = type(rot)(args.head_dim, args.rope_theta, args.rope_scaling).inv_freq.to(device)
+    # buffers computed at init do not survive to_empty
+    model.rotary.inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
     return model.eval().requires_grad_(False)
 
 

@@ -1,0 +1,76 @@
+"""Elementwise pieces of a decoder layer, written as plain torch (the CPU path and the reference).
+
+On CUDA each is compiled by torch.compile into one fused Triton kernel: at a 32K-token prefill the unfused
+versions re-read activations many times over, and at decode their many small kernels cost more than the math.
+Compilation is lazy (first CUDA call) and skipped on CPU. KVSCOPE_COMPILE=0 turns it off for debugging.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+COMPILE = os.environ.get("KVSCOPE_COMPILE", "1") != "0"
+
+
+def cuda_compiled(fn):
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(x, *args):
+        nonlocal compiled
+        if not x.is_cuda:
+            return fn(x, *args)
+        if compiled is None:  # importing torch's compiler costs seconds: only where it pays
+            compiled = torch.compile(fn, dynamic=True) if COMPILE else fn
+        return compiled(x, *args)
+    return run
+
+
+@cuda_compiled
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@cuda_compiled
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    rf = residual.float()
+    return weight * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), residual
+
+
+@cuda_compiled
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """Once per step, shared by every layer: cos, sin [T, 1, D] in the activations' dtype."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@cuda_compiled
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate-half rotary on q [T, Hq, D] and k [T, Hkv, D]."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@cuda_compiled
+def qk_norm_rope(q, k, q_weight, k_weight, eps: float, cos, sin):
+    """Qwen3: per-head RMSNorm of q and k, then rotary; one kernel on CUDA."""
+    qf, kf = q.float(), k.float()
+    q = q_weight * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps)).to(q.dtype)
+    k = k_weight * (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + eps)).to(k.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
