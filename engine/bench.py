@@ -50,6 +50,22 @@ class Ours:
         out = self.llm.generate([self._prompt(ctx)], SamplingParams(max_tokens=steps + 1, ignore_eos=True))[0]
         return 1.0 / out.stats.decode_tok_s
 
+    def decode_graph_s(self, ctx: int, replays: int = 20) -> float:
+        """GPU time of one decode step alone (graph replay at a `ctx` context), without the host work around it."""
+        llm = self.llm
+        seq = llm.add_request(self._prompt(ctx), SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.step()  # prefill
+        llm.scheduler.schedule()  # decode step planned: inputs for the graph
+        llm.runner._decode_logits([seq])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            llm.runner.graphs[min(llm.runner.graphs)].replay()
+        end.record()
+        end.synchronize()
+        llm.cancel(seq)
+        return start.elapsed_time(end) / 1e3 / replays
+
     @property
     def device(self):
         return self.llm.device
@@ -136,6 +152,9 @@ def main(argv=None) -> int:
         n = max(lengths)
         rows.setdefault(f"decode @{n} (ms/token)", {})[engine.name] = 1e3 * _median(
             lambda: engine.decode_s_per_token(n, steps), args.repeats)
+        if backend is Ours and engine.llm.runner.graphs:
+            rows.setdefault(f"  GPU only, graph replay (ms)", {})[engine.name] = 1e3 * _median(
+                lambda: engine.decode_graph_s(n), args.repeats)
         if backend is Ours:
             ours = engine
             desc = (f"{engine.llm.model_name} · {engine.llm.device} · {str(engine.llm.dtype).removeprefix('torch.')} · "
@@ -152,6 +171,9 @@ def main(argv=None) -> int:
     for what, vals in rows.items():
         line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>16,.2f}" for n in names)
         if len(names) > 1:
+            if "transformers" not in vals:
+                print(line)
+                continue
             ratio = vals["kvscope"] / vals["transformers"]
             better = ratio if "tok/s" in what else 1 / ratio
             line += f"   {better:.2f}x {'faster' if better >= 1 else 'slower'}"
