@@ -25,11 +25,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median(fn, repeats: int) -> float:
-    fn()  # warm-up
-    return statistics.median(fn() for _ in range(repeats))
-
-
 class Ours:
     name = "kvscope"
 
@@ -139,34 +134,33 @@ def main(argv=None) -> int:
     steps = args.decode_steps or (64 if on_gpu else 32)
     max_len = max(lengths) + steps + 16
 
+    ours = Ours(args, max_len)
+    engines = [ours] + ([] if args.no_transformers else [Transformers(args, ours)])
+    n = max(lengths)
+    measures = [(f"prefill {m} (tok/s)", lambda e, m=m: m / e.prefill_s(m)) for m in lengths]
+    measures.append((f"decode @{n} (ms/token)", lambda e: 1e3 * e.decode_s_per_token(n, steps)))
+    if ours.llm.runner.graphs:
+        measures.append(("  GPU only, graph replay (ms)", lambda e: 1e3 * e.decode_graph_s(n) if e is ours else None))
     rows: dict[str, dict[str, float]] = {}
-    backends = [Ours]
-    if not args.no_transformers:
-        backends.append(Transformers)
-    ours = None
-    for backend in backends:
-        engine = backend(args, max_len) if backend is Ours else backend(args, ours)
-        print(f"# {engine.name}: measuring", file=sys.stderr, flush=True)
-        for n in lengths:
-            rows.setdefault(f"prefill {n} (tok/s)", {})[engine.name] = n / _median(lambda: engine.prefill_s(n), args.repeats)
-        n = max(lengths)
-        rows.setdefault(f"decode @{n} (ms/token)", {})[engine.name] = 1e3 * _median(
-            lambda: engine.decode_s_per_token(n, steps), args.repeats)
-        if backend is Ours and engine.llm.runner.graphs:
-            rows.setdefault(f"  GPU only, graph replay (ms)", {})[engine.name] = 1e3 * _median(
-                lambda: engine.decode_graph_s(n), args.repeats)
-        if backend is Ours:
-            ours = engine
-            desc = (f"{engine.llm.model_name} · {engine.llm.device} · {str(engine.llm.dtype).removeprefix('torch.')} · "
-                    f"torch {torch.__version__} · graphs {'off' if args.eager or not on_gpu else 'on'}")
-        else:
-            engine.close()
-    if ours:
-        ours.close()
+    for what, fn in measures:  # engines alternate within each repeat, so drift hits both alike
+        print(f"# {what}", file=sys.stderr, flush=True)
+        samples: dict[str, list[float]] = {e.name: [] for e in engines}
+        for e in engines:
+            fn(e)  # warm-up
+        for _ in range(args.repeats):
+            for e in engines:
+                value = fn(e)
+                if value is not None:
+                    samples[e.name].append(value)
+        rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
+    desc = (f"{ours.llm.model_name} · {ours.llm.device} · {str(ours.llm.dtype).removeprefix('torch.')} · "
+            f"torch {torch.__version__} · graphs {'on' if ours.llm.runner.graphs else 'off'}")
+    for e in engines:
+        e.close()
     gc.collect()
 
-    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up; decode timed over {steps} tokens\n")
-    names = [b.name for b in backends]
+    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating; decode timed over {steps} tokens\n")
+    names = [e.name for e in engines]
     print(f"{'':28}" + "".join(f"{n:>16}" for n in names) + ("   ours/transformers" if len(names) > 1 else ""))
     for what, vals in rows.items():
         line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>16,.2f}" for n in names)

@@ -24,13 +24,17 @@ needs_triton_device = pytest.mark.skipif(
 )
 
 
-def make_case(lens, hq, hkv, d, block_size, dtype=torch.float32, device=DEV, filler=-1, extra_blocks=1, seed=0):
-    """Random q and cache; each sequence's blocks are a shuffled, non-contiguous set; table tails hold `filler`."""
+def make_case(lens, hq, hkv, d, block_size, dtype=torch.float32, device=DEV, filler=-1, extra_blocks=1, seed=0,
+              layout="shuffled"):
+    """Random q and cache; each sequence's blocks are a shuffled, non-contiguous set (or, with layout="runs",
+    consecutive ids in runs of up to three: what the allocator usually hands out); table tails hold `filler`."""
     gen = torch.Generator().manual_seed(seed)
     need = [math.ceil(n / block_size) for n in lens]
     max_blocks = max(need + [1]) + extra_blocks
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=gen)
+    if layout == "runs":  # ascending, with a gap after every third block
+        perm = torch.tensor([i + i // 3 for i in range(num_blocks)]) % num_blocks
     table = torch.full((len(lens), max_blocks), filler, dtype=torch.int32)
     used = 0
     for b, nb in enumerate(need):
@@ -71,12 +75,12 @@ CONFIGS = [  # (lens, hq, hkv, d, block_size)
 ]
 
 
-@pytest.mark.parametrize("chunk_tokens", [16, 1024])  # 16: one block per gather chunk
+@pytest.mark.parametrize("layout", ["shuffled", "runs"])
 @pytest.mark.parametrize("lens,hq,hkv,d,block_size", CONFIGS)
-def test_reference_matches_dense(lens, hq, hkv, d, block_size, chunk_tokens):
-    q, k, v, table, cl = make_case(lens, hq, hkv, d, block_size, device="cpu")
+def test_reference_matches_dense(lens, hq, hkv, d, block_size, layout):
+    q, k, v, table, cl = make_case(lens, hq, hkv, d, block_size, device="cpu", layout=layout)
     scale = d ** -0.5
-    ref = decode_attention_reference(q, k, v, table, cl, scale, chunk_tokens=chunk_tokens)
+    ref = decode_attention_reference(q, k, v, table, cl, scale)
     torch.testing.assert_close(ref.double(), dense_attention(q, k, v, table, cl, scale), atol=1e-5, rtol=1e-5)
 
 
@@ -173,3 +177,13 @@ def test_gpu_cuda_graph_follows_context_lens():
         ref = decode_attention_reference(q, k, v, table, cl, scale)
         assert torch.isfinite(out).all()
         assert _rel_err(out, ref) < 1e-2, new_lens
+
+
+@pytest.mark.parametrize("layout", ["shuffled", "runs"])
+def test_reference_in_bf16_matches_dense(layout):
+    """bf16 takes the grouped matmul path (CPU SDPA is slow there); fp32 takes SDPA over cache views."""
+    q, k, v, table, cl = make_case([1, 40, 100], 6, 2, 32, 16, device="cpu", layout=layout)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = decode_attention_reference(q, k, v, table, cl, 32 ** -0.5)
+    want = dense_attention(q, k, v, table, cl, 32 ** -0.5)
+    torch.testing.assert_close(ref.double(), want, atol=2e-2, rtol=2e-2)
