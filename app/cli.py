@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 SAMPLE = Path(__file__).resolve().parent.parent / "resources" / "samples" / "kv_cache_offload_primer.md"
-SAMPLE_QUESTION = "In two sentences: why does layer-wise offload move no bytes to the GPU during prefill?"
+SAMPLE_QUESTION = ("What is the name of the Halvorsen lab's profiling dashboard that shows busy fraction, overlap and "
+                   "exposed copy time per layer?")  # the answer sits near the end of the ~5.8K-token sample
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,118 @@
+"""What the engine records: plain dataclasses (numpy arrays allowed, never torch tensors).
+
+All times are microseconds since the recorder was created (one time base for every step, host and GPU alike),
+so spans of different steps and lanes can be drawn on one axis. The widgets draw these without importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Lanes (tracks) in display order.
+COMPUTE = "compute"   # kernels on the compute stream
+H2D = "h2d"           # host-to-device copies (KV loads)
+D2H = "d2h"           # device-to-host copies (KV offload)
+HOST = "host"         # CPU work: scheduling, tokenizing, sampling, host-side memcpy
+LANES = (COMPUTE, H2D, D2H, HOST)
+COPY_LANES = (H2D, D2H)
+
+# States of a GPU ring slot (one slot holds one layer's KV while it is used).
+FREE = "free"
+LOADING = "loading"
+READY = "ready"
+COMPUTING = "computing"
+SLOT_STATES = (FREE, LOADING, READY, COMPUTING)
+
+# Phases of a step.
+PREFILL = "prefill"
+DECODE = "decode"
+LOAD = "load"          # model load
+TOKENIZE = "tokenize"
+PHASES = (PREFILL, DECODE, LOAD, TOKENIZE)
+
+
+@dataclass(slots=True)
+class Span:
+    """One interval of work on one lane. `bytes` is what a copy moved (0 for compute)."""
+    lane: str
+    name: str
+    t0_us: float
+    t1_us: float
+    layer: int | None = None
+    bytes: int = 0
+    slot: int | None = None
+    args: dict | None = None
+
+    @property
+    def dur_us(self) -> float:
+        return self.t1_us - self.t0_us
+
+
+@dataclass(slots=True)
+class SlotState:
+    """A ring slot changed state at `t_us`: it now holds `tokens` of `layer`'s KV (room for `capacity`)."""
+    t_us: float
+    slot: int
+    layer: int | None
+    state: str
+    tokens: int
+    capacity: int
+
+
+@dataclass(slots=True)
+class QuestPick:
+    """The KV blocks Quest chose for one (layer, kv head) in a step, with their upper-bound scores."""
+    step: int
+    layer: int
+    kv_head: int
+    blocks: np.ndarray
+    scores: np.ndarray
+    n_blocks: int           # blocks there were to choose from
+
+
+@dataclass(slots=True)
+class MaskSummary:
+    """A sparse prefill mask of one (layer, head): kept vertical columns and slash diagonals over n tokens.
+
+    `image` is an optional small binned picture of the mask (uint8 or float), ready to draw.
+    """
+    layer: int
+    head: int
+    vertical: np.ndarray
+    slash: np.ndarray
+    n: int
+    density: float
+    image: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """Everything recorded in one step (a prefill chunk, a decode step, a model load or a tokenization).
+
+    `t0_us`/`t1_us` bound every span, slot state and the step itself; `spans` are sorted by lane (display
+    order) then start time. `metrics` are plain floats (timings, token counts, memory: keys `mem_*`/`gpu_mem*`).
+    """
+    step: int
+    phase: str
+    n_tokens: int
+    t0_us: float
+    t1_us: float
+    spans: list[Span] = field(default_factory=list)
+    slots: list[SlotState] = field(default_factory=list)
+    quest: list[QuestPick] = field(default_factory=list)
+    masks: list[MaskSummary] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+
+    @property
+    def dur_us(self) -> float:
+        return self.t1_us - self.t0_us
+
+    @property
+    def label(self) -> str:
+        """Short name for the step, e.g. "prefill 4096 tok"."""
+        return f"{self.phase} {self.n_tokens} tok"
+
+    def lane_spans(self, lane: str) -> list[Span]:
+        return [s for s in self.spans if s.lane == lane]

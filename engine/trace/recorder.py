@@ -1,0 +1,335 @@
+"""Recorders: the engine reports spans, slot states, Quest picks and masks to one; it builds `StepTrace`s.
+
+`Recorder` is the default and does nothing (no allocation per call: `span()` returns one shared null context).
+Engine code guards heavier work with `if recorder.enabled:`. `TraceRecorder` records for real:
+
+    rec = TraceRecorder(device=torch.device("cuda"))
+    rec.begin_step("decode", n_tokens=1)
+    with rec.span(H2D, "load kv", layer=3, stream=copy_stream, bytes=n):
+        ...
+    step = rec.end_step({"mem_gpu_allocated": ...})
+
+Timing. On CPU (device None or not CUDA), and always for the `host` lane, spans are timed with
+`time.perf_counter_ns()` on the thread that enters/exits them. On CUDA the other lanes record a pair of
+timing events on `stream` (or the current stream) and nothing else: no host sync per span. `end_step`
+records one end event on the current stream, synchronizes the device ONCE, reads the host clock
+(`t_end`), and anchors the GPU timeline there: the step-start event (recorded by `begin_step`) sits at
+`t_end - elapsed(start, end)`, every other event at `start + elapsed(start, event)`. The error of the anchor
+is the wake-up latency of the sync (a few µs). `span()` must not be used inside CUDA-graph capture; record
+events there yourself and hand them over with `add_event_span`, which end_step resolves the same way.
+
+Threads. Background copy threads may record spans concurrently with the main thread: every append goes
+through one lock. A span belongs to the step that is open when it exits; records made while no step is open
+are kept for the next one. With NVTX on (and CUDA), each span is also an NVTX range of the same name.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from engine.trace.events import HOST, LANES, MaskSummary, QuestPick, SlotState, Span, StepTrace
+
+
+class _NullSpan:
+    """The context `Recorder.span()` returns: shared, stateless, free."""
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+NULL_SPAN = _NullSpan()
+
+
+class Recorder:
+    """The no-op recorder: every method does nothing and keeps nothing."""
+    enabled = False
+    steps: tuple | deque = ()
+    last: StepTrace | None = None
+    on_step: Callable[[StepTrace], None] | None = None
+
+    def begin_step(self, phase: str, n_tokens: int = 0) -> None:
+        pass
+
+    def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
+             slot: int | None = None, **args):
+        return NULL_SPAN
+
+    def add_span(self, span: Span) -> None:
+        pass
+
+    def add_event_span(self, lane: str, name: str, start_event, end_event, layer: int | None = None, *,
+                       bytes: int = 0, slot: int | None = None, **args) -> None:
+        pass
+
+    def slot_state(self, slot: int, layer: int | None, state: str, tokens: int, capacity: int, *,
+                   stream=None, event=None) -> None:
+        pass
+
+    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int) -> None:
+        pass
+
+    def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
+        pass
+
+    def end_step(self, metrics: dict | None = None) -> StepTrace | None:
+        return None
+
+    def now_us(self) -> float:
+        return 0.0
+
+    def clear(self) -> None:
+        pass
+
+
+NULL_RECORDER = Recorder()
+
+
+class _HostSpan:
+    __slots__ = ("rec", "lane", "name", "layer", "bytes", "slot", "args", "t0")
+
+    def __init__(self, rec, lane, name, layer, nbytes, slot, args):
+        self.rec, self.lane, self.name, self.layer, self.bytes, self.slot, self.args = \
+            rec, lane, name, layer, nbytes, slot, args
+
+    def __enter__(self):
+        if self.rec._nvtx is not None:
+            self.rec._nvtx.range_push(self.name)
+        self.t0 = time.perf_counter_ns()
+
+    def __exit__(self, *exc):
+        t1 = time.perf_counter_ns()
+        rec = self.rec
+        base = rec._base_ns
+        span = Span(self.lane, self.name, (self.t0 - base) / 1e3, (t1 - base) / 1e3, self.layer, self.bytes,
+                    self.slot, self.args or None)
+        with rec._lock:
+            rec._spans.append(span)
+        if rec._nvtx is not None:
+            rec._nvtx.range_pop()
+        return False
+
+
+class _EventSpan:
+    __slots__ = ("rec", "lane", "name", "layer", "bytes", "slot", "args", "stream", "e0")
+
+    def __init__(self, rec, lane, name, layer, nbytes, slot, args, stream):
+        self.rec, self.lane, self.name, self.layer, self.bytes, self.slot, self.args, self.stream = \
+            rec, lane, name, layer, nbytes, slot, args, stream
+
+    def __enter__(self):
+        rec = self.rec
+        if rec._nvtx is not None:
+            rec._nvtx.range_push(self.name)
+        if self.stream is None:
+            self.stream = rec._torch.cuda.current_stream(rec._device)
+        self.e0 = rec._event()
+        self.e0.record(self.stream)
+
+    def __exit__(self, *exc):
+        rec = self.rec
+        e1 = rec._event()
+        e1.record(self.stream)
+        with rec._lock:
+            rec._pending.append((self.lane, self.name, self.layer, self.bytes, self.slot, self.args or None,
+                                 self.e0, e1, True))
+        if rec._nvtx is not None:
+            rec._nvtx.range_pop()
+        return False
+
+
+class TraceRecorder(Recorder):
+    """Records steps into a bounded history (`steps`, newest last; `last`); calls `on_step` with each one."""
+    enabled = True
+
+    def __init__(self, max_steps: int = 256, device=None, nvtx: bool = True,
+                 on_step: Callable[[StepTrace], None] | None = None):
+        self._base_ns = time.perf_counter_ns()
+        self.steps: deque[StepTrace] = deque(maxlen=max_steps)
+        self.last: StepTrace | None = None
+        self.on_step = on_step
+        self.device = "cpu" if device is None else str(device)
+        self._cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self._torch = self._nvtx = None
+        if self._cuda:
+            import torch
+            self._torch = torch
+            self._device = torch.device(device)
+            if nvtx:
+                self._nvtx = torch.cuda.nvtx
+        self._lock = threading.Lock()
+        self._pool: list = []            # reusable timing events (CUDA)
+        self._step_no = 0
+        self._open = False
+        self._reset_buffers()
+
+    def _reset_buffers(self):
+        self._spans: list[Span] = []
+        self._pending: list[tuple] = []       # (lane, name, layer, bytes, slot, args, e0, e1, pooled)
+        self._slots: list[SlotState] = []
+        self._pending_slots: list[tuple] = []  # (event, pooled, slot, layer, state, tokens, capacity)
+        self._quest: list[QuestPick] = []
+        self._masks: list[MaskSummary] = []
+
+    # ---------------------------------------------------------------- clock and events
+    def now_us(self) -> float:
+        """Host time in the recorder's time base (µs since it was created)."""
+        return (time.perf_counter_ns() - self._base_ns) / 1e3
+
+    def _event(self):
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return self._torch.cuda.Event(enable_timing=True)
+
+    # ---------------------------------------------------------------- recording
+    def begin_step(self, phase: str, n_tokens: int = 0) -> None:
+        """Open a step (one that is still open is closed first, with metric `incomplete` = 1)."""
+        if self._open:
+            self.end_step({"incomplete": 1.0})
+        self._phase, self._n_tokens, self._open = phase, int(n_tokens), True
+        if self._cuda:
+            if self._nvtx is not None:
+                self._nvtx.range_push(f"{phase} {n_tokens} tok")
+            self._start_event = self._event()
+            self._start_event.record(self._torch.cuda.current_stream(self._device))
+        self._t_begin = self.now_us()
+
+    def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
+             slot: int | None = None, **args):
+        if self._cuda and lane != HOST:
+            return _EventSpan(self, lane, name, layer, bytes, slot, args, stream)
+        return _HostSpan(self, lane, name, layer, bytes, slot, args)
+
+    def add_span(self, span: Span) -> None:
+        """A span timed elsewhere, already in this recorder's time base (see `now_us`)."""
+        with self._lock:
+            self._spans.append(span)
+
+    def add_event_span(self, lane: str, name: str, start_event, end_event, layer: int | None = None, *,
+                       bytes: int = 0, slot: int | None = None, **args) -> None:
+        """A span between two recorded timing CUDA events (e.g. inside a CUDA graph); resolved at end_step."""
+        with self._lock:
+            self._pending.append((lane, name, layer, bytes, slot, args or None, start_event, end_event, False))
+
+    def slot_state(self, slot: int, layer: int | None, state: str, tokens: int, capacity: int, *,
+                   stream=None, event=None) -> None:
+        """A ring slot changed state. On CUDA the time is that of `event` or of a new one on `stream`."""
+        if not self._cuda:
+            rec = SlotState(self.now_us(), slot, layer, state, int(tokens), int(capacity))
+            with self._lock:
+                self._slots.append(rec)
+            return
+        pooled = event is None
+        if pooled:
+            event = self._event()
+            event.record(stream if stream is not None else self._torch.cuda.current_stream(self._device))
+        with self._lock:
+            self._pending_slots.append((event, pooled, slot, layer, state, int(tokens), int(capacity)))
+
+    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int) -> None:
+        """Arrays may be numpy or torch (CUDA tensors are copied asynchronously, read after end_step's sync)."""
+        with self._lock:
+            self._quest.append(QuestPick(self._step_no, layer, kv_head, _grab(blocks), _grab(scores), int(n_blocks)))
+
+    def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
+        m = MaskSummary(layer, head, _grab(vertical), _grab(slash), int(n), float(density),
+                        None if image is None else _grab(image))
+        with self._lock:
+            self._masks.append(m)
+
+    # ---------------------------------------------------------------- closing a step
+    def end_step(self, metrics: dict | None = None) -> StepTrace | None:
+        """Close the open step (None if none is open), store it, call `on_step`, and return it."""
+        if not self._open:
+            return None
+        with self._lock:
+            spans, pending, slots, pending_slots = self._spans, self._pending, self._slots, self._pending_slots
+            quest, masks = self._quest, self._masks
+            self._reset_buffers()
+        t0 = self._t_begin
+        if self._cuda:
+            t0, t1 = self._resolve_events(pending, pending_slots, spans, slots)
+            t0 = min(t0, self._t_begin)
+        else:
+            t1 = self.now_us()
+        order = {lane: i for i, lane in enumerate(LANES)}
+        spans.sort(key=lambda s: (order.get(s.lane, len(order)), s.lane, s.t0_us, -s.t1_us))
+        slots.sort(key=lambda s: s.t_us)
+        for q in quest:
+            q.blocks, q.scores = _to_numpy(q.blocks), _to_numpy(q.scores)
+        for m in masks:
+            m.vertical, m.slash = _to_numpy(m.vertical), _to_numpy(m.slash)
+            m.image = None if m.image is None else _to_numpy(m.image)
+        times = [t0, t1, *(s.t0_us for s in spans), *(s.t1_us for s in spans), *(s.t_us for s in slots)]
+        step = StepTrace(self._step_no, self._phase, self._n_tokens, min(times), max(times), spans, slots,
+                         quest, masks, dict(metrics or {}), self.device)
+        self._step_no += 1
+        self._open = False
+        self.steps.append(step)
+        self.last = step
+        if self.on_step is not None:
+            self.on_step(step)
+        return step
+
+    def _resolve_events(self, pending, pending_slots, spans, slots) -> tuple[float, float]:
+        """One device sync, then place every event on the host time base (see the module docstring)."""
+        cuda = self._torch.cuda
+        end = self._event()
+        end.record(cuda.current_stream(self._device))
+        cuda.synchronize(self._device)
+        t_end = self.now_us()
+        start = self._start_event
+        t_start = t_end - start.elapsed_time(end) * 1e3
+
+        def at(ev):
+            return t_start + start.elapsed_time(ev) * 1e3
+
+        for lane, name, layer, nbytes, slot, args, e0, e1, pooled in pending:
+            try:
+                spans.append(Span(lane, name, at(e0), at(e1), layer, nbytes, slot, args))
+            except RuntimeError:   # an event that was never recorded: drop the span
+                pass
+            if pooled:
+                self._pool += (e0, e1)
+        for ev, pooled, slot, layer, state, tokens, capacity in pending_slots:
+            try:
+                slots.append(SlotState(at(ev), slot, layer, state, tokens, capacity))
+            except RuntimeError:
+                pass
+            if pooled:
+                self._pool.append(ev)
+        self._pool += (start, end)
+        if self._nvtx is not None:
+            self._nvtx.range_pop()
+        return t_start, t_end
+
+    def clear(self) -> None:
+        """Forget the history (step numbering goes on)."""
+        self.steps.clear()
+        self.last = None
+
+
+def _grab(x):
+    """Keep an array-like safe from later in-place changes: numpy is copied, torch cloned (CUDA: async copy)."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if hasattr(x, "detach") and hasattr(x, "device"):
+        t = x.detach()
+        return t.to("cpu", non_blocking=True) if t.device.type == "cuda" else t.clone()
+    return np.asarray(x)
+
+
+def _to_numpy(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+        x = x.float()
+    return x.numpy()
