@@ -13,14 +13,17 @@ Timing. On CPU (device None or not CUDA), and always for the `host` lane, spans 
 `time.perf_counter_ns()` on the thread that enters/exits them. On CUDA the other lanes record a pair of
 timing events on `stream` (or the current stream) and nothing else: no host sync per span. `end_step`
 records one end event on the current stream, synchronizes the device ONCE, reads the host clock
-(`t_end`), and anchors the GPU timeline there: the step-start event (recorded by `begin_step`) sits at
-`t_end - elapsed(start, end)`, every other event at `start + elapsed(start, event)`. The error of the anchor
-is the wake-up latency of the sync (a few µs). `span()` must not be used inside CUDA-graph capture; record
-events there yourself and hand them over with `add_event_span`, which end_step resolves the same way.
+(`t_end`), and anchors the GPU timeline there: every event is measured from the step-start event (recorded
+by `begin_step` on the current stream) with `elapsed_time`, and the latest of them (the end event, or a
+side stream's last event) is placed at `t_end`, since the sync returned when that work ended. The error of
+the anchor is the wake-up latency of the sync (a few µs). `span()` must not be used inside CUDA-graph
+capture: record events there yourself and hand them over with `add_event_span`, resolved the same way.
+Timing events are pooled and reused from step to step.
 
 Threads. Background copy threads may record spans concurrently with the main thread: every append goes
 through one lock. A span belongs to the step that is open when it exits; records made while no step is open
-are kept for the next one. With NVTX on (and CUDA), each span is also an NVTX range of the same name.
+are kept for the next one. With NVTX on (and CUDA), each span is also an NVTX range of the same name, and
+each step a range named like the step ("decode 1 tok"). A span's `__enter__` returns None.
 """
 from __future__ import annotations
 
@@ -93,11 +96,12 @@ NULL_RECORDER = Recorder()
 
 
 class _HostSpan:
-    __slots__ = ("rec", "lane", "name", "layer", "bytes", "slot", "args", "t0")
+    """A span timed with the host clock on the thread that enters and exits it."""
+    __slots__ = ("rec", "lane", "name", "layer", "bytes", "slot", "args", "stream", "t0")
 
-    def __init__(self, rec, lane, name, layer, nbytes, slot, args):
-        self.rec, self.lane, self.name, self.layer, self.bytes, self.slot, self.args = \
-            rec, lane, name, layer, nbytes, slot, args
+    def __init__(self, rec, lane, name, layer, nbytes, slot, args, stream=None):
+        self.rec, self.lane, self.name, self.layer = rec, lane, name, layer
+        self.bytes, self.slot, self.args, self.stream = nbytes, slot, args or None, stream
 
     def __enter__(self):
         if self.rec._nvtx is not None:
@@ -105,11 +109,9 @@ class _HostSpan:
         self.t0 = time.perf_counter_ns()
 
     def __exit__(self, *exc):
-        t1 = time.perf_counter_ns()
-        rec = self.rec
-        base = rec._base_ns
-        span = Span(self.lane, self.name, (self.t0 - base) / 1e3, (t1 - base) / 1e3, self.layer, self.bytes,
-                    self.slot, self.args or None)
+        t1, rec = time.perf_counter_ns(), self.rec
+        span = Span(self.lane, self.name, (self.t0 - rec._base_ns) / 1e3, (t1 - rec._base_ns) / 1e3, self.layer,
+                    self.bytes, self.slot, self.args)
         with rec._lock:
             rec._spans.append(span)
         if rec._nvtx is not None:
@@ -117,12 +119,9 @@ class _HostSpan:
         return False
 
 
-class _EventSpan:
-    __slots__ = ("rec", "lane", "name", "layer", "bytes", "slot", "args", "stream", "e0")
-
-    def __init__(self, rec, lane, name, layer, nbytes, slot, args, stream):
-        self.rec, self.lane, self.name, self.layer, self.bytes, self.slot, self.args, self.stream = \
-            rec, lane, name, layer, nbytes, slot, args, stream
+class _EventSpan(_HostSpan):
+    """A span timed by two CUDA events on its stream (`t0` holds the start event); resolved at end_step."""
+    __slots__ = ()
 
     def __enter__(self):
         rec = self.rec
@@ -130,16 +129,15 @@ class _EventSpan:
             rec._nvtx.range_push(self.name)
         if self.stream is None:
             self.stream = rec._torch.cuda.current_stream(rec._device)
-        self.e0 = rec._event()
-        self.e0.record(self.stream)
+        self.t0 = rec._event()
+        self.t0.record(self.stream)
 
     def __exit__(self, *exc):
         rec = self.rec
         e1 = rec._event()
         e1.record(self.stream)
         with rec._lock:
-            rec._pending.append((self.lane, self.name, self.layer, self.bytes, self.slot, self.args or None,
-                                 self.e0, e1, True))
+            rec._pending.append((self.lane, self.name, self.layer, self.bytes, self.slot, self.args, self.t0, e1, True))
         if rec._nvtx is not None:
             rec._nvtx.range_pop()
         return False
@@ -237,11 +235,13 @@ class TraceRecorder(Recorder):
     def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int) -> None:
         """Arrays may be numpy or torch (CUDA tensors are copied asynchronously, read after end_step's sync)."""
         with self._lock:
-            self._quest.append(QuestPick(self._step_no, layer, kv_head, _grab(blocks), _grab(scores), int(n_blocks)))
+            self._quest.append(QuestPick(self._step_no, layer, kv_head, _grab(blocks, self._cuda), _grab(scores, self._cuda),
+                                          int(n_blocks)))
 
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
-        m = MaskSummary(layer, head, _grab(vertical), _grab(slash), int(n), float(density),
-                        None if image is None else _grab(image))
+        c = self._cuda
+        m = MaskSummary(layer, head, _grab(vertical, c), _grab(slash, c), int(n), float(density),
+                        None if image is None else _grab(image, c))
         with self._lock:
             self._masks.append(m)
 
@@ -282,31 +282,41 @@ class TraceRecorder(Recorder):
     def _resolve_events(self, pending, pending_slots, spans, slots) -> tuple[float, float]:
         """One device sync, then place every event on the host time base (see the module docstring)."""
         cuda = self._torch.cuda
-        end = self._event()
+        start, end = self._start_event, self._event()
         end.record(cuda.current_stream(self._device))
         cuda.synchronize(self._device)
         t_end = self.now_us()
-        start = self._start_event
-        t_start = t_end - start.elapsed_time(end) * 1e3
 
-        def at(ev):
-            return t_start + start.elapsed_time(ev) * 1e3
+        def rel(ev):   # µs after the step-start event
+            return start.elapsed_time(ev) * 1e3
 
+        last = rel(end)
+        new_spans, new_slots = [], []
         for lane, name, layer, nbytes, slot, args, e0, e1, pooled in pending:
             try:
-                spans.append(Span(lane, name, at(e0), at(e1), layer, nbytes, slot, args))
+                new_spans.append(Span(lane, name, rel(e0), rel(e1), layer, nbytes, slot, args))
             except RuntimeError:   # an event that was never recorded: drop the span
                 pass
             if pooled:
                 self._pool += (e0, e1)
         for ev, pooled, slot, layer, state, tokens, capacity in pending_slots:
             try:
-                slots.append(SlotState(at(ev), slot, layer, state, tokens, capacity))
+                new_slots.append(SlotState(rel(ev), slot, layer, state, tokens, capacity))
             except RuntimeError:
                 pass
             if pooled:
                 self._pool.append(ev)
         self._pool += (start, end)
+        # the sync returned when the last GPU work ended: the latest event of any stream sits at t_end
+        last = max([last, *(s.t1_us for s in new_spans), *(s.t_us for s in new_slots)])
+        t_start = t_end - last
+        for s in new_spans:
+            s.t0_us += t_start
+            s.t1_us += t_start
+        for s in new_slots:
+            s.t_us += t_start
+        spans += new_spans
+        slots += new_slots
         if self._nvtx is not None:
             self._nvtx.range_pop()
         return t_start, t_end
@@ -317,13 +327,14 @@ class TraceRecorder(Recorder):
         self.last = None
 
 
-def _grab(x):
-    """Keep an array-like safe from later in-place changes: numpy is copied, torch cloned (CUDA: async copy)."""
+def _grab(x, async_ok: bool):
+    """Keep an array-like safe from later in-place changes: numpy is copied, a torch tensor cloned to the host
+    (asynchronously from CUDA when `async_ok`, i.e. end_step's sync comes before it is read)."""
     if isinstance(x, np.ndarray):
         return x.copy()
     if hasattr(x, "detach") and hasattr(x, "device"):
         t = x.detach()
-        return t.to("cpu", non_blocking=True) if t.device.type == "cuda" else t.clone()
+        return t.to("cpu", non_blocking=async_ok) if t.device.type != "cpu" else t.clone()
     return np.asarray(x)
 
 
