@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--json", action="store_true", help="print one JSON object at the end (answer + stats)")
+    c.add_argument("--trace", type=Path, default=None, help="write what the engine did as a Chrome trace-event "
+                   "JSON for Perfetto / chrome://tracing (.json or .json.gz)")
     return p
 
 
@@ -63,7 +65,8 @@ def _progress(fraction: float, message: str) -> None:
 def _chat(args) -> int:
     from app.documents import load_document
     from app.prompt import document_messages
-    from engine import LLM, SamplingParams
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.trace import TraceRecorder, write_chrome_trace
 
     doc_path = args.document or SAMPLE
     question = args.ask or (SAMPLE_QUESTION if args.document is None else None)
@@ -73,7 +76,12 @@ def _chat(args) -> int:
     document = load_document(doc_path)  # before the model: bad input fails fast
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
-    llm = LLM(args.model, progress=_progress, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    recorder = None
+    if args.trace is not None:
+        recorder = TraceRecorder(max_steps=args.max_new_tokens + 64,
+                                 device=EngineConfig(device=args.device).resolve_device())
+    llm = LLM(args.model, progress=_progress, recorder=recorder, device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len)
     messages = document_messages(document.text, question, document.name, args.system)
     answer = []
     stats = None
@@ -93,4 +101,8 @@ def _chat(args) -> int:
         print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached) · answer {stats.completion_tokens} "
               f"tok · TTFT {stats.ttft_s:.2f} s · prefill {stats.prefill_tok_s:,.0f} tok/s · decode "
               f"{stats.decode_tok_s:.1f} tok/s · {stats.finish_reason}", file=sys.stderr)
+    if recorder is not None:
+        path = write_chrome_trace(list(recorder.steps), args.trace)
+        print(f"trace: {len(recorder.steps)} steps written to {path} (open it in https://ui.perfetto.dev)",
+              file=sys.stderr)
     return 0

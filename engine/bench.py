@@ -69,6 +69,31 @@ class Ours:
         del self.llm
 
 
+class OursTraced:
+    """The same engine with a recording recorder on: the overhead of tracing, measured side by side."""
+    name = "kvscope+trace"
+
+    def __init__(self, ours: Ours):
+        from engine.trace import TraceRecorder
+        self.ours, self.recorder = ours, TraceRecorder(max_steps=256, device=ours.llm.device)
+
+    def _traced(self, fn, *args):
+        self.ours.llm.recorder = self.recorder
+        try:
+            return fn(*args)
+        finally:
+            self.ours.llm.recorder = None
+
+    def prefill_s(self, n: int) -> float:
+        return self._traced(self.ours.prefill_s, n)
+
+    def decode_s_per_token(self, ctx: int, steps: int) -> float:
+        return self._traced(self.ours.decode_s_per_token, ctx, steps)
+
+    def close(self):
+        pass
+
+
 class Transformers:
     name = "transformers"
 
@@ -126,6 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
 
@@ -135,7 +161,9 @@ def main(argv=None) -> int:
     max_len = max(lengths) + steps + 16
 
     ours = Ours(args, max_len)
-    engines = [ours] + ([] if args.no_transformers else [Transformers(args, ours)])
+    engines = [ours] + ([OursTraced(ours)] if args.trace else [])
+    if not args.no_transformers:
+        engines.append(Transformers(args, ours))
     n = max(lengths)
     measures = [(f"prefill {m} (tok/s)", lambda e, m=m: m / e.prefill_s(m)) for m in lengths]
     measures.append((f"decode @{n} (ms/token)", lambda e: 1e3 * e.decode_s_per_token(n, steps)))
@@ -161,16 +189,16 @@ def main(argv=None) -> int:
 
     print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating; decode timed over {steps} tokens\n")
     names = [e.name for e in engines]
-    print(f"{'':28}" + "".join(f"{n:>16}" for n in names) + ("   ours/transformers" if len(names) > 1 else ""))
+    print(f"{'':28}" + "".join(f"{n:>16}" for n in names))
     for what, vals in rows.items():
         line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>16,.2f}" for n in names)
-        if len(names) > 1:
-            if "transformers" not in vals:
-                print(line)
-                continue
+        if "transformers" in vals:
             ratio = vals["kvscope"] / vals["transformers"]
             better = ratio if "tok/s" in what else 1 / ratio
-            line += f"   {better:.2f}x {'faster' if better >= 1 else 'slower'}"
+            line += f"   vs transformers {better:.2f}x {'faster' if better >= 1 else 'slower'}"
+        if "kvscope+trace" in vals:
+            cost = vals["kvscope"] / vals["kvscope+trace"] if "tok/s" in what else vals["kvscope+trace"] / vals["kvscope"]
+            line += f"   tracing costs {100 * (cost - 1):+.1f}%"
         print(line)
     if args.json:
         with open(args.json, "w") as f:

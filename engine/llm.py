@@ -18,6 +18,8 @@ from engine.models.registry import parse_config, read_config, shape_config
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.trace.events import DECODE, HOST, LOAD, PREFILL, TOKENIZE
+from engine.trace.recorder import NULL_RECORDER, Recorder
 
 Progress = Callable[[float, str], None]
 
@@ -51,9 +53,13 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, progress: Progress | None = None, **config):
+    def __init__(self, model: str | None = None, progress: Progress | None = None,
+                 recorder: Recorder | None = None, **config):
         self.config = EngineConfig.from_kwargs(model=model, **config)
         cfg = self.config
+        rec = self._recorder = recorder or NULL_RECORDER
+        if rec.enabled:
+            rec.begin_step(LOAD)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.device = cfg.resolve_device()
@@ -75,20 +81,38 @@ class LLM:
         if progress:
             progress(0.0, f"loading {self.model_name} on {self.device} ({str(self.dtype).removeprefix('torch.')})")
         try:
-            model = build_model(args, self.device, self.dtype)
-            if self.model_dir is None:
-                random_weights(model, cfg.seed)
-            else:
-                load_weights(model, self.model_dir)
-            self.runner = ModelRunner(model, cfg, self.device, self.dtype, self.max_model_len)
+            with rec.span(HOST, "load weights"):
+                model = build_model(args, self.device, self.dtype)
+                if self.model_dir is None:
+                    random_weights(model, cfg.seed)
+                else:
+                    load_weights(model, self.model_dir)
+            self.runner = ModelRunner(model, cfg, self.device, self.dtype, self.max_model_len, rec)
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"{self.model_name} does not fit in {self.device} memory in "
                                    f"{str(self.dtype).removeprefix('torch.')}: use a smaller model or --device cpu") from None
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self._eos_ids(), self.max_model_len)
+        if rec.enabled:
+            rec.end_step(self._memory_metrics())
         if progress:
             progress(1.0, "ready")
+
+    @property
+    def recorder(self) -> Recorder:
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, rec: Recorder | None) -> None:
+        """Swap the recorder between requests (None = record nothing)."""
+        self._recorder = self.runner.recorder = rec or NULL_RECORDER
+
+    def _memory_metrics(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        return {"gpu_mem_allocated": torch.cuda.memory_allocated(self.device),
+                "gpu_mem_peak": torch.cuda.max_memory_allocated(self.device)}
 
     # ---------------------------------------------------------------- tokens
     def _eos_ids(self) -> set[int]:
@@ -149,6 +173,10 @@ class LLM:
         for s in seqs:
             if is_prefill and s.t_prefill_start is None:
                 s.t_prefill_start = t0
+        rec = self._recorder
+        if rec.enabled:
+            computed = sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
+            rec.begin_step(PREFILL if is_prefill else DECODE, computed)
         try:
             tokens = self.runner.run(seqs, is_prefill)
         except torch.OutOfMemoryError:
@@ -157,11 +185,26 @@ class LLM:
             torch.cuda.empty_cache()
             raise OutOfMemoryError("out of GPU memory during " + ("prefill" if is_prefill else "decode") +
                                    ": lower max_num_batched_tokens, max_num_seqs or gpu_memory_utilization") from None
+        finally:
+            if rec.enabled:
+                rec.end_step(self._step_metrics(seqs, is_prefill))
         self.scheduler.postprocess(seqs, tokens)
         for s in seqs:
             if s.is_finished:
                 self.runner.sampler.forget(s.seq_id)
         return seqs
+
+    def _step_metrics(self, seqs: list[Sequence], is_prefill: bool) -> dict:
+        m = {"batch": len(seqs), "context_tokens": sum(len(s) for s in seqs),
+             "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
+             "mem_kv_used": self.block_manager.num_used * self.runner.block_bytes}
+        if is_prefill:
+            m["prompt_tokens"] = sum(len(s) for s in seqs)
+            m["cached_tokens"] = sum(s.num_cached_tokens for s in seqs)
+        else:
+            m["decode_tokens"] = len(seqs)
+        m.update(self._memory_metrics())
+        return m
 
     def cancel(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, "cancelled")
@@ -182,7 +225,14 @@ class LLM:
         """Chat: yield the answer as it is generated, then a final chunk with the stats.
         `cancel` is anything with is_set() (threading.Event); it is checked between steps."""
         t_start = time.perf_counter()
-        seq = self.add_request(self.chat_prompt_ids(messages), params or SamplingParams())
+        rec = self._recorder
+        if rec.enabled:
+            rec.begin_step(TOKENIZE)
+        with rec.span(HOST, "chat template + tokenize"):
+            ids = self.chat_prompt_ids(messages)
+        if rec.enabled:
+            rec.end_step({"prompt_tokens": len(ids)})
+        seq = self.add_request(ids, params or SamplingParams())
         seq.t_arrival = t_start
         detok = _Detokenizer(self.tokenizer)
         seen = 0

@@ -14,22 +14,65 @@ from engine.layers.sampler import Sampler
 from engine.models.llama import CausalLM
 from engine.ops.attention import AttnMetadata
 from engine.sequence import Sequence
+from engine.trace.events import COMPUTE, HOST
+from engine.trace.recorder import NULL_RECORDER, Recorder
+
+
+class _GraphSpans:
+    """Stands in for the recorder while a decode graph is captured: each span becomes a pair of external CUDA
+    events recorded inside the graph, so every replay times its layers again. After a replay the pairs go to
+    the real recorder (`add_event_span`), resolved with the rest of the step at its one sync."""
+    enabled = True
+
+    def __init__(self):
+        self.pairs: list[tuple] = []
+
+    def span(self, lane, name, layer=None, **_):
+        return _EventPair(self, lane, name, layer)
+
+
+class _EventPair:
+    def __init__(self, owner, lane, name, layer):
+        self.owner, self.lane, self.name, self.layer = owner, lane, name, layer
+
+    def __enter__(self):
+        self.start = torch.cuda.Event(enable_timing=True, external=True)
+        self.start.record()
+
+    def __exit__(self, *exc):
+        end = torch.cuda.Event(enable_timing=True, external=True)
+        end.record()
+        self.owner.pairs.append((self.lane, self.name, self.layer, self.start, end))
+        return False
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int):
+                 max_model_len: int, recorder: Recorder = NULL_RECORDER):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.recorder = recorder
         self.args = model.args
         self.block_size = config.kv_block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.max_num_batched_tokens = config.max_num_batched_tokens or min(max_model_len, 32768)
         self.sampler = Sampler(device)
-        self.num_blocks = self._allocate_kv_cache()
+        with recorder.span(HOST, "allocate KV cache"):
+            self.num_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.traced_graphs: dict[int, tuple[torch.cuda.CUDAGraph, list]] = {}  # with per-layer event spans
+        self._graph_pool = None
         if device.type == "cuda" and not config.enforce_eager:
-            self._capture_decode_graphs()
+            with recorder.span(HOST, "capture decode CUDA graphs"):
+                self._capture_decode_graphs()
+
+    @property
+    def recorder(self) -> Recorder:
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, rec: Recorder) -> None:
+        self._recorder = self.model.recorder = rec
 
     # ---------------------------------------------------------------- KV cache
     @property
@@ -133,18 +176,24 @@ class ModelRunner:
         """Logits [B, vocab] of each sequence's last position."""
         if is_prefill:
             ids, pos, meta, last_rows = self.prepare_prefill(seqs)
-            return self.model.logits(self.model(ids, pos, meta)[last_rows])
+            hidden = self.model(ids, pos, meta)[last_rows]
+            with self.recorder.span(COMPUTE, "logits"):
+                return self.model.logits(hidden)
         return self._decode_logits(seqs)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         logits = self.forward_logits(seqs, is_prefill)
-        return self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+        with self.recorder.span(HOST, "sample"):
+            return self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
 
     def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         n = len(seqs)
         graph_bs = next((b for b in sorted(self.graphs) if b >= n), None)
         if graph_bs is None:
             return self.model.logits(self.model(*self.prepare_decode(seqs)))
+        rec = self.recorder
+        if rec.enabled and graph_bs not in self.traced_graphs:
+            self._capture(graph_bs, traced=True)
         host, tables = self._decode_host_inputs(seqs)
         g = self.graph_vars
         g["ids"][:n].copy_(host[0], non_blocking=True)
@@ -154,7 +203,13 @@ class ModelRunner:
         g["context_lens"].zero_()
         g["context_lens"][:n].copy_(host[3], non_blocking=True)
         g["block_tables"][:n, :tables.shape[1]].copy_(tables, non_blocking=True)
-        self.graphs[graph_bs].replay()
+        if rec.enabled:
+            graph, pairs = self.traced_graphs[graph_bs]
+            graph.replay()
+            for lane, name, layer, start, end in pairs:
+                rec.add_event_span(lane, name, start, end, layer, batch=n)
+        else:
+            self.graphs[graph_bs].replay()
         return g["logits"][:n]
 
     def _capture_decode_graphs(self) -> None:
@@ -163,23 +218,41 @@ class ModelRunner:
         if max_bs not in sizes:
             sizes.append(max_bs)
         dev = self.device
-        g = self.graph_vars = {
+        self.graph_vars = {
             "ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "pos": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slots": torch.full((max_bs,), self.num_blocks * self.block_size, dtype=torch.long, device=dev),
+            "slots": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
             "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "logits": torch.zeros(max_bs, self.args.vocab_size, dtype=self.dtype, device=dev),
         }
-        pool = None
         for b in sorted(sizes, reverse=True):
-            meta = AttnMetadata(False, g["slots"][:b], block_tables=g["block_tables"][:b],
-                                context_lens=g["context_lens"][:b])
-            step = lambda: self.model.logits(self.model(g["ids"][:b], g["pos"][:b], meta))  # noqa: E731
+            self._capture(b, traced=False)
+
+    def _capture(self, b: int, traced: bool) -> None:
+        """Capture the decode step for batch size b. Inputs point at the scratch block while capturing, so the
+        warm-up and capture runs write no real KV (this also makes a later, lazy capture safe)."""
+        g = self.graph_vars
+        g["slots"].fill_(self.num_blocks * self.block_size)
+        g["context_lens"].zero_()
+        meta = AttnMetadata(False, g["slots"][:b], block_tables=g["block_tables"][:b],
+                            context_lens=g["context_lens"][:b])
+        step = lambda: self.model.logits(self.model(g["ids"][:b], g["pos"][:b], meta))  # noqa: E731
+        saved = self.model.recorder
+        self.model.recorder = NULL_RECORDER
+        try:
             g["logits"][:b] = step()  # warm-up: compiles the kernels outside the capture
+            spans = _GraphSpans()
+            if traced:
+                self.model.recorder = spans
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, self._graph_pool):
                 g["logits"][:b] = step()
-            pool = graph.pool()
+        finally:
+            self.model.recorder = saved
+        self._graph_pool = graph.pool()
+        if traced:
+            self.traced_graphs[b] = (graph, spans.pairs)
+        else:
             self.graphs[b] = graph
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()

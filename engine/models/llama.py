@@ -13,6 +13,8 @@ from engine.layers.attention import PagedAttention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.ops.fused import qk_norm_rope, rope, silu_mul
+from engine.trace.events import COMPUTE
+from engine.trace.recorder import NULL_RECORDER
 from engine.models.registry import ModelArgs
 from engine.ops.attention import AttnMetadata, default_scale
 
@@ -60,15 +62,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, h, residual, cos_sin, meta):
-        """(h, residual) -> (h, residual); the residual add is fused into the next norm."""
+    def attention(self, h, residual, cos_sin, meta):
+        """(h, residual) -> (attention output, residual); the residual add is fused into the norm."""
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos_sin, meta)
+        return self.self_attn(h, cos_sin, meta), residual
+
+    def feed_forward(self, h, residual):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def forward(self, h, residual, cos_sin, meta):
+        return self.feed_forward(*self.attention(h, residual, cos_sin, meta))
 
 
 class CausalLM(nn.Module):
@@ -82,13 +89,20 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.recorder = NULL_RECORDER  # set by the model runner; spans per layer (attention, MLP)
+        self.layer_names = [f"layer {i}" for i in range(a.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """-> final hidden states [T, hidden] (normed). Call `logits` on the rows you need."""
+        rec = self.recorder
         h, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos_sin, meta)
+        for i, layer in enumerate(self.layers):
+            with rec.span(COMPUTE, self.layer_names[i], i):
+                with rec.span(COMPUTE, "attention", i):
+                    h, residual = layer.attention(h, residual, cos_sin, meta)
+                with rec.span(COMPUTE, "mlp", i):
+                    h, residual = layer.feed_forward(h, residual)
         return self.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,3 +46,23 @@ def test_generate_batched_and_prefix_cache(llm):
     assert [o.stats.completion_tokens for o in outs] == [16, 16]
     again = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert again.stats.cached_tokens == (2000 - 1) // 256 * 256
+
+
+def test_trace_of_prefill_and_graph_decode(llm):
+    """CUDA-event spans: every layer of prefill (eager) and of decode (inside the CUDA graph) is timed."""
+    from engine.trace import COMPUTE, TraceRecorder, check_chrome_trace, to_chrome_trace
+    rec = TraceRecorder(device=llm.device)
+    llm.recorder = rec
+    try:
+        llm.generate([torch.randint(0, 1000, (1000,)).tolist()], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        llm.recorder = None
+    steps = list(rec.steps)
+    assert [s.phase for s in steps] == ["prefill"] + ["decode"] * 3
+    for step in steps:
+        layers = [s for s in step.spans if s.lane == COMPUTE and s.name.startswith("layer ")]
+        assert [s.layer for s in layers] == list(range(llm.args.num_layers))
+        assert all(s.t1_us > s.t0_us for s in layers)
+        assert all(step.t0_us - 1 <= s.t0_us and s.t1_us <= step.t1_us + 1 for s in step.spans)
+        assert step.metrics["gpu_mem_allocated"] > 0
+    assert check_chrome_trace(to_chrome_trace(steps)) == []
