@@ -111,8 +111,8 @@ class LLM:
     def _memory_metrics(self) -> dict:
         if self.device.type != "cuda":
             return {}
-        return {"gpu_mem_allocated": torch.cuda.memory_allocated(self.device),
-                "gpu_mem_peak": torch.cuda.max_memory_allocated(self.device)}
+        allocated = torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]  # one C call
+        return {"gpu_mem_allocated": allocated["current"], "gpu_mem_peak": allocated["peak"]}
 
     # ---------------------------------------------------------------- tokens
     def _eos_ids(self) -> set[int]:
@@ -186,8 +186,8 @@ class LLM:
             raise OutOfMemoryError("out of GPU memory during " + ("prefill" if is_prefill else "decode") +
                                    ": lower max_num_batched_tokens, max_num_seqs or gpu_memory_utilization") from None
         finally:
-            if rec.enabled:
-                rec.end_step(self._step_metrics(seqs, is_prefill))
+            if rec.enabled:  # on CUDA its events are read while the GPU runs the next step
+                rec.end_step(self._step_metrics(seqs, is_prefill), defer=self.device.type == "cuda")
         self.scheduler.postprocess(seqs, tokens)
         for s in seqs:
             if s.is_finished:
@@ -218,6 +218,8 @@ class LLM:
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while not all(s.is_finished for s in seqs):
             self.step()
+        if self._recorder.enabled:
+            self._recorder.flush()
         return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s)) for s in seqs]
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None
@@ -250,6 +252,8 @@ class LLM:
         finally:
             if not seq.is_finished:  # the consumer stopped early (closed generator): free the blocks
                 self.cancel(seq)
+            if rec.enabled:
+                rec.flush()
         yield StreamChunk("", _stats(seq))
 
     def _decode(self, ids: list[int]) -> str:

@@ -19,30 +19,43 @@ from engine.trace.recorder import NULL_RECORDER, Recorder
 
 
 class _GraphSpans:
-    """Stands in for the recorder while a decode graph is captured: each span becomes a pair of external CUDA
-    events recorded inside the graph, so every replay times its layers again. After a replay the pairs go to
-    the real recorder (`add_event_span`), resolved with the rest of the step at its one sync."""
+    """Stands in for the recorder while a decode graph is captured: each top-level span (a layer) gets CUDA
+    events recorded inside the graph, so every replay times its layers again; nested spans (attention, MLP)
+    are left out there to keep the graph cheap. After a replay the spans go to the real recorder
+    (`add_event_span`), read with the rest of the step. Consecutive layers share their boundary event
+    (nothing runs between one layer's end and the next one's start): 37 events for 36 layers."""
     enabled = True
 
     def __init__(self):
-        self.pairs: list[tuple] = []
+        self.spans: list[list] = []   # [lane, name, layer, start event, end event]
+        self._event = None            # the latest boundary event
+        self._depth = 0
 
     def span(self, lane, name, layer=None, **_):
-        return _EventPair(self, lane, name, layer)
+        return _GraphSpan(self, lane, name, layer)
+
+    def _record(self):
+        self._event = torch.cuda.Event(enable_timing=True, external=True)
+        self._event.record()
+        return self._event
 
 
-class _EventPair:
-    def __init__(self, owner, lane, name, layer):
-        self.owner, self.lane, self.name, self.layer = owner, lane, name, layer
+class _GraphSpan:
+    def __init__(self, owner: _GraphSpans, lane, name, layer):
+        self.owner, self.entry = owner, [lane, name, layer, None, None]
 
     def __enter__(self):
-        self.start = torch.cuda.Event(enable_timing=True, external=True)
-        self.start.record()
+        o = self.owner
+        o._depth += 1
+        if o._depth == 1:
+            self.entry[3] = o._event if o._event is not None else o._record()
+            o.spans.append(self.entry)
 
     def __exit__(self, *exc):
-        end = torch.cuda.Event(enable_timing=True, external=True)
-        end.record()
-        self.owner.pairs.append((self.lane, self.name, self.layer, self.start, end))
+        o = self.owner
+        o._depth -= 1
+        if o._depth == 0:
+            self.entry[4] = o._record()
         return False
 
 
@@ -60,7 +73,7 @@ class ModelRunner:
         with recorder.span(HOST, "allocate KV cache"):
             self.num_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.traced_graphs: dict[int, tuple[torch.cuda.CUDAGraph, list]] = {}  # with per-layer event spans
+        self.traced_graphs: dict[int, list[tuple]] = {}  # b -> two (graph, spans) copies with per-layer events
         self._graph_pool = None
         if device.type == "cuda" and not config.enforce_eager:
             with recorder.span(HOST, "capture decode CUDA graphs"):
@@ -183,6 +196,8 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         logits = self.forward_logits(seqs, is_prefill)
+        if self.recorder.enabled:  # the GPU is busy with this step: read the last one's events now
+            self.recorder.resolve_deferred()
         with self.recorder.span(HOST, "sample"):
             return self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
 
@@ -194,6 +209,7 @@ class ModelRunner:
         rec = self.recorder
         if rec.enabled and graph_bs not in self.traced_graphs:
             self._capture(graph_bs, traced=True)
+            self._capture(graph_bs, traced=True)
         host, tables = self._decode_host_inputs(seqs)
         g = self.graph_vars
         g["ids"][:n].copy_(host[0], non_blocking=True)
@@ -203,11 +219,13 @@ class ModelRunner:
         g["context_lens"].zero_()
         g["context_lens"][:n].copy_(host[3], non_blocking=True)
         g["block_tables"][:n, :tables.shape[1]].copy_(tables, non_blocking=True)
-        if rec.enabled:
-            graph, pairs = self.traced_graphs[graph_bs]
+        if rec.enabled:  # two traced copies, alternating: the last step's events are read during this one
+            pair = self.traced_graphs[graph_bs]
+            pair.reverse()
+            graph, spans = pair[0]
             graph.replay()
-            for lane, name, layer, start, end in pairs:
-                rec.add_event_span(lane, name, start, end, layer, batch=n)
+            for lane, name, layer, start, end in spans:
+                rec.add_event_span(lane, name, start, end, layer)
         else:
             self.graphs[graph_bs].replay()
         return g["logits"][:n]
@@ -252,7 +270,7 @@ class ModelRunner:
             self.model.recorder = saved
         self._graph_pool = graph.pool()
         if traced:
-            self.traced_graphs[b] = (graph, spans.pairs)
+            self.traced_graphs.setdefault(b, []).append((graph, spans.spans))
         else:
             self.graphs[b] = graph
         torch.cuda.synchronize()

@@ -66,9 +66,10 @@ def to_chrome_trace(steps: Iterable[StepTrace], process_name: str = "kvscope") -
             label = track if k == 0 else f"{track} #{k + 1}"
             events.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": label}})
             events.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
-            for t0, t1, name, a in placed:
+            for t0, t1, name, a in placed:  # round both ends, not the duration: shared ends stay equal
+                ts, end = round(t0, 3), round(t1, 3)
                 x_events.append({"ph": "X", "pid": _PID, "tid": tid, "name": name, "cat": track,
-                                 "ts": round(t0, 3), "dur": round(max(0.0, t1 - t0), 3), "args": a})
+                                 "ts": ts, "dur": round(max(0.0, end - ts), 3), "args": a})
     x_events.sort(key=lambda e: (e["ts"], -e["dur"]))
     events += x_events
     events += _counters(steps)

@@ -82,7 +82,13 @@ class Recorder:
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
         pass
 
-    def end_step(self, metrics: dict | None = None) -> StepTrace | None:
+    def end_step(self, metrics: dict | None = None, defer: bool = False) -> StepTrace | None:
+        return None
+
+    def resolve_deferred(self) -> StepTrace | None:
+        return None
+
+    def flush(self) -> StepTrace | None:
         return None
 
     def now_us(self) -> float:
@@ -166,6 +172,7 @@ class TraceRecorder(Recorder):
         self._pool: list = []            # reusable timing events (CUDA)
         self._step_no = 0
         self._open = False
+        self._deferred = None            # a closed CUDA step whose events are read later (end_step(defer=True))
         self._reset_buffers()
 
     def _reset_buffers(self):
@@ -246,20 +253,46 @@ class TraceRecorder(Recorder):
             self._masks.append(m)
 
     # ---------------------------------------------------------------- closing a step
-    def end_step(self, metrics: dict | None = None) -> StepTrace | None:
-        """Close the open step (None if none is open), store it, call `on_step`, and return it."""
+    def end_step(self, metrics: dict | None = None, defer: bool = False) -> StepTrace | None:
+        """Close the open step (None if none is open), store it, call `on_step`, and return it.
+
+        defer=True (CUDA) is for a caller that has just synchronized (the engine, after reading the sampled
+        tokens): the GPU is idle, so the host clock now is the step's end; the events are read later by
+        `resolve_deferred()`, which the engine calls while the GPU runs the next step, keeping the reading off
+        the critical path. Returns None then; `flush()` resolves whatever is still deferred."""
         if not self._open:
             return None
+        self.resolve_deferred()  # steps stay in order
         with self._lock:
-            spans, pending, slots, pending_slots = self._spans, self._pending, self._slots, self._pending_slots
-            quest, masks = self._quest, self._masks
+            closing = [self._phase, self._n_tokens, self._step_no, self._t_begin, self._spans, self._pending,
+                       self._slots, self._pending_slots, self._quest, self._masks, dict(metrics or {}), None, None]
             self._reset_buffers()
-        t0 = self._t_begin
+        self._step_no += 1
+        self._open = False
         if self._cuda:
-            t0, t1 = self._resolve_events(pending, pending_slots, spans, slots)
-            t0 = min(t0, self._t_begin)
+            end = self._event()
+            end.record(self._torch.cuda.current_stream(self._device))
+            if not defer:
+                self._torch.cuda.synchronize(self._device)
+            closing[11:] = [self._start_event, (end, self.now_us())]
+            if defer:
+                self._deferred = closing
+                return None
+        return self._finish(closing)
+
+    def resolve_deferred(self) -> StepTrace | None:
+        closing, self._deferred = self._deferred, None
+        return None if closing is None else self._finish(closing)
+
+    flush = resolve_deferred
+
+    def _finish(self, closing) -> StepTrace:
+        phase, n_tokens, step_no, t_begin, spans, pending, slots, pending_slots, quest, masks, metrics, start, end = closing
+        if self._cuda:
+            t0, t1 = self._resolve_events(start, *end, pending, pending_slots, spans, slots)
+            t0 = min(t0, t_begin)
         else:
-            t1 = self.now_us()
+            t0, t1 = t_begin, self.now_us()
         order = {lane: i for i, lane in enumerate(LANES)}
         spans.sort(key=lambda s: (order.get(s.lane, len(order)), s.lane, s.t0_us, -s.t1_us))
         slots.sort(key=lambda s: s.t_us)
@@ -268,27 +301,25 @@ class TraceRecorder(Recorder):
         for m in masks:
             m.vertical, m.slash = _to_numpy(m.vertical), _to_numpy(m.slash)
             m.image = None if m.image is None else _to_numpy(m.image)
-        times = [t0, t1, *(s.t0_us for s in spans), *(s.t1_us for s in spans), *(s.t_us for s in slots)]
-        step = StepTrace(self._step_no, self._phase, self._n_tokens, min(times), max(times), spans, slots,
-                         quest, masks, dict(metrics or {}), self.device)
-        self._step_no += 1
-        self._open = False
+        lo = min([t0, *(s.t0_us for s in spans), *(s.t_us for s in slots)])
+        hi = max([t1, *(s.t1_us for s in spans), *(s.t_us for s in slots)])
+        step = StepTrace(step_no, phase, n_tokens, lo, hi, spans, slots, quest, masks, metrics, self.device)
         self.steps.append(step)
         self.last = step
         if self.on_step is not None:
             self.on_step(step)
         return step
 
-    def _resolve_events(self, pending, pending_slots, spans, slots) -> tuple[float, float]:
-        """One device sync, then place every event on the host time base (see the module docstring)."""
-        cuda = self._torch.cuda
-        start, end = self._start_event, self._event()
-        end.record(cuda.current_stream(self._device))
-        cuda.synchronize(self._device)
-        t_end = self.now_us()
+    def _resolve_events(self, start, end, t_end, pending, pending_slots, spans, slots) -> tuple[float, float]:
+        """Place every event on the host time base (see the module docstring); the GPU work is done by now."""
+        end.synchronize()
+        seen: dict[int, float] = {}
 
-        def rel(ev):   # µs after the step-start event
-            return start.elapsed_time(ev) * 1e3
+        def rel(ev):   # µs after the step-start event; events shared by several spans are read once
+            key = id(ev)
+            if key not in seen:
+                seen[key] = start.elapsed_time(ev) * 1e3
+            return seen[key]
 
         last = rel(end)
         new_spans, new_slots = [], []

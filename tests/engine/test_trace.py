@@ -232,6 +232,9 @@ class FakeCuda:
         def record(self, stream):
             self.t = time.perf_counter_ns() + stream.lag_ns
 
+        def synchronize(self):
+            pass
+
         def elapsed_time(self, end):
             if self.t is None or end.t is None:
                 raise RuntimeError("event not recorded")
@@ -297,6 +300,16 @@ def test_cuda_path_with_fake_events():
     assert layer.dur_us >= 500 and step.slots[0].t_us > layer.t1_us
     # timing events are pooled: later steps create only the caller's own ones
     assert fake.created == 7 + 3 * 3  # 7 of the recorder's (start, 2 spans, slot, end), 3 of the caller's a step
+
+    # deferred: no sync at end_step; the step appears when resolved (by the next end_step at the latest), in order
+    rec.begin_step("decode", 1)
+    with rec.span(COMPUTE, "layer", 0):
+        pass
+    assert rec.end_step({"k": 1}, defer=True) is None and fake.syncs == 3
+    rec.begin_step("decode", 1)
+    rec.end_step({"k": 2}, defer=True)
+    assert [s.metrics.get("k") for s in list(rec.steps)[-2:]] == [None, 1]
+    assert rec.flush().metrics == {"k": 2} and rec.flush() is None and fake.syncs == 3
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_event_timing_one_sync(monkeypatch):
@@ -325,3 +338,15 @@ def test_cuda_event_timing_one_sync(monkeypatch):
     assert step.slots and step.t0_us <= step.slots[0].t_us <= step.t1_us + 1
     assert check_chrome_trace(to_chrome_trace([step])) == []
     del b, c
+
+
+def test_spans_sharing_an_end_stay_nested_after_rounding():
+    """Ends are rounded, not durations: a child that ends with its parent never pokes out of it."""
+    from engine.trace import COMPUTE, Span, StepTrace, check_chrome_trace, to_chrome_trace
+    t0, t_mid, t1 = 2762280.082457942, 2762280.1877606097, 2762315.818736134  # rounded durations: ends 1 ns apart
+    spans = [Span(COMPUTE, "layer 14", t0, t1, 14), Span(COMPUTE, "mlp", t_mid, t1, 14)]
+    step = StepTrace(0, "decode", 1, t0, t1, spans, [], [], [], {}, "cuda")
+    trace = to_chrome_trace([step])
+    assert check_chrome_trace(trace) == []
+    ends = {e["name"]: e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == COMPUTE}
+    assert abs(ends["mlp"] - ends["layer 14"]) < 1e-6
