@@ -6,6 +6,7 @@ padded rows of a graph.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -165,22 +166,26 @@ class ModelRunner:
         last_rows = self._tensor([c - 1 for c in cu_q[1:]])
         return self._tensor(ids), self._tensor(pos), meta, last_rows
 
-    def _decode_host_inputs(self, seqs: list[Sequence]):
-        """ids, positions, slots, context lens as one pinned [4, B] int64 tensor, plus the block tables."""
+    def _decode_host_inputs(self, seqs: list[Sequence], rows: int, width: int):
+        """Decode inputs as two host tensors (pinned on CUDA), padded to `rows` sequences and `width` blocks:
+        int64 [4, rows] = ids, positions, slots, context lens (padding: token 0 at position 0, writing into the
+        scratch block, with no context), and int32 [len(seqs), width] block tables."""
         bs = self.block_size
-        rows = [[s.last_token for s in seqs], [len(s) - 1 for s in seqs],
-                [s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs], [len(s) for s in seqs]]
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        inputs = np.zeros((4, rows), dtype=np.int64)
+        inputs[2] = self.num_blocks * bs
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            last = len(s) - 1
+            inputs[:, i] = (s.last_token, last, s.block_table[last // bs] * bs + last % bs, len(s))
+            tables[i, :len(s.block_table)] = s.block_table
         pin = self.device.type == "cuda"
-        return (torch.tensor(rows, dtype=torch.int64, pin_memory=pin),
-                torch.tensor(tables, dtype=torch.int32, pin_memory=pin))
+        return (torch.from_numpy(inputs).pin_memory() if pin else torch.from_numpy(inputs),
+                torch.from_numpy(tables).pin_memory() if pin else torch.from_numpy(tables))
 
     def prepare_decode(self, seqs: list[Sequence]):
-        host, tables = self._decode_host_inputs(seqs)
+        host, tables = self._decode_host_inputs(seqs, len(seqs), max(len(s.block_table) for s in seqs))
         dev = host.to(self.device, non_blocking=True)
-        meta = AttnMetadata(False, dev[2], block_tables=tables.to(self.device, non_blocking=True),
-                            context_lens=dev[3].to(torch.int32))
+        meta = AttnMetadata(False, dev[2], block_tables=tables.to(self.device, non_blocking=True), context_lens=dev[3])
         return dev[0], dev[1], meta
 
     # ---------------------------------------------------------------- step
@@ -210,15 +215,10 @@ class ModelRunner:
         if rec.enabled and graph_bs not in self.traced_graphs:
             self._capture(graph_bs, traced=True)
             self._capture(graph_bs, traced=True)
-        host, tables = self._decode_host_inputs(seqs)
         g = self.graph_vars
-        g["ids"][:n].copy_(host[0], non_blocking=True)
-        g["pos"][:n].copy_(host[1], non_blocking=True)
-        g["slots"].fill_(self.num_blocks * self.block_size)  # padded rows write into the scratch block
-        g["slots"][:n].copy_(host[2], non_blocking=True)
-        g["context_lens"].zero_()
-        g["context_lens"][:n].copy_(host[3], non_blocking=True)
-        g["block_tables"][:n, :tables.shape[1]].copy_(tables, non_blocking=True)
+        host, tables = self._decode_host_inputs(seqs, g["inputs"].shape[1], self.max_blocks_per_seq)
+        g["inputs"].copy_(host, non_blocking=True)   # two copies in all: inputs (padded rows) and block tables
+        g["block_tables"][:n].copy_(tables, non_blocking=True)
         if rec.enabled:  # two traced copies, alternating: the last step's events are read during this one
             pair = self.traced_graphs[graph_bs]
             pair.reverse()
@@ -237,10 +237,7 @@ class ModelRunner:
             sizes.append(max_bs)
         dev = self.device
         self.graph_vars = {
-            "ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "pos": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slots": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "inputs": torch.zeros(4, max_bs, dtype=torch.long, device=dev),  # ids, positions, slots, context lens
             "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "logits": torch.zeros(max_bs, self.args.vocab_size, dtype=self.dtype, device=dev),
         }
@@ -251,11 +248,11 @@ class ModelRunner:
         """Capture the decode step for batch size b. Inputs point at the scratch block while capturing, so the
         warm-up and capture runs write no real KV (this also makes a later, lazy capture safe)."""
         g = self.graph_vars
-        g["slots"].fill_(self.num_blocks * self.block_size)
-        g["context_lens"].zero_()
-        meta = AttnMetadata(False, g["slots"][:b], block_tables=g["block_tables"][:b],
-                            context_lens=g["context_lens"][:b])
-        step = lambda: self.model.logits(self.model(g["ids"][:b], g["pos"][:b], meta))  # noqa: E731
+        ids, pos, slots, context_lens = g["inputs"][:, :b]
+        slots.fill_(self.num_blocks * self.block_size)
+        context_lens.zero_()
+        meta = AttnMetadata(False, slots, block_tables=g["block_tables"][:b], context_lens=context_lens)
+        step = lambda: self.model.logits(self.model(ids, pos, meta))  # noqa: E731
         saved = self.model.recorder
         self.model.recorder = NULL_RECORDER
         try:

@@ -24,7 +24,7 @@ class AttnMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor                 # [T] int64: cache slot of each new token
     block_tables: torch.Tensor | None = None   # [B, max_blocks] int32
-    context_lens: torch.Tensor | None = None   # [B] int32: decode, tokens in cache incl. the new one
+    context_lens: torch.Tensor | None = None   # [B] int64: decode, tokens in cache incl. the new one
     q_lens: list[int] | None = None            # prefill: new tokens per sequence
     k_lens: list[int] | None = None            # prefill: cached prefix + new tokens per sequence
     cu_seqlens_q: torch.Tensor | None = None   # prefill, int32 [B+1] (flash-attn)
