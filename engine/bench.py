@@ -94,6 +94,20 @@ class OursTraced:
         pass
 
 
+class _TokenTimes:
+    """A transformers streamer that only notes when each token arrives (after the device has produced it)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value):
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 class Transformers:
     name = "transformers"
 
@@ -118,21 +132,25 @@ class Transformers:
         self.vocab = cfg.vocab_size
         self.gen = torch.Generator().manual_seed(1)
 
-    def _generate_s(self, n: int, new: int) -> float:
+    def _generate(self, n: int, new: int) -> tuple[float, list[float]]:
+        """-> (seconds for the whole call, host times at which each answer token came out)."""
         ids = torch.randint(0, self.vocab, (1, n), generator=self.gen).to(self.device)
+        stamps = _TokenTimes(self.device)
         _sync(self.device)
         t = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=0)
+                                do_sample=False, pad_token_id=0, streamer=stamps)
         _sync(self.device)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, stamps.times[1:]  # the first put() is the prompt
 
     def prefill_s(self, n: int) -> float:
-        return self._generate_s(n, 1)
+        return self._generate(n, 1)[0]
 
     def decode_s_per_token(self, ctx: int, steps: int) -> float:
-        return (self._generate_s(ctx, steps + 1) - self._generate_s(ctx, 1)) / steps
+        """First answer token to last, like ours (not a difference of two runs, which prefill noise swamps)."""
+        times = self._generate(ctx, steps + 1)[1]
+        return (times[-1] - times[0]) / (len(times) - 1)
 
     def close(self):
         del self.model
