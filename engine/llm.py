@@ -215,7 +215,14 @@ class LLM:
         """Run several prompts together (batched in gpu mode); plain strings are used as is (no chat template)."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        seqs: list[Sequence] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                seqs.append(self.add_request(p, sp))
+        except Exception:  # one bad prompt: the ones already queued are withdrawn, nothing is left behind
+            for s in seqs:
+                self.cancel(s)
+            raise
         while not all(s.is_finished for s in seqs):
             self.step()
         if self._recorder.enabled:
