@@ -1,8 +1,9 @@
 """One forward step over a batch of sequences: build the inputs, run the model, sample.
 
 Owns the model, the paged KV cache and, on CUDA, the decode CUDA graphs (embedding to logits, one per batch
-size). KV cache: one tensor [2, layers, blocks + 1, block_size, Hkv, D]; the extra block is scratch for the
-padded rows of a graph.
+size). KV cache: one tensor [2, layers, blocks + 1, Hkv, block_size, D] (head-major: a block of one head is one
+contiguous matrix), handed to the layers as [block, offset, head, dim] views; the extra block is scratch for
+the padded rows of a graph.
 """
 from __future__ import annotations
 
@@ -106,15 +107,15 @@ class ModelRunner:
             raise OutOfMemoryError(
                 f"no room for the KV cache ({self.block_bytes / 2**20:.1f} MiB per block of {self.block_size} tokens): "
                 "raise gpu_memory_utilization / cpu_kv_cache_gb, lower max_num_batched_tokens, or use a smaller model")
-        shape = (2, a.num_layers, num_blocks + 1, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (2, a.num_layers, num_blocks + 1, a.num_kv_heads, self.block_size, a.head_dim)
         try:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"the KV cache of {num_blocks} blocks does not fit: lower num_kv_blocks or "
                                    "gpu_memory_utilization") from None
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i].transpose(1, 2)
+            layer.self_attn.attn.v_cache = self.kv_cache[1, i].transpose(1, 2)
         return num_blocks
 
     def _blocks_that_fit_on_gpu(self) -> int:
@@ -123,7 +124,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         n = min(self.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = AttnMetadata(True, torch.zeros(n, dtype=torch.long, device=self.device), q_lens=[n], k_lens=[n])
+        meta = AttnMetadata(True, torch.zeros(2, n, dtype=torch.long, device=self.device), q_lens=[n], k_lens=[n])
         try:
             self.model.logits(self.model(ids, torch.arange(n, device=self.device), meta)[-1:])
         except torch.OutOfMemoryError:
@@ -151,7 +152,7 @@ class ModelRunner:
             start = s.num_cached_tokens
             ids += s.token_ids[start:]
             pos += range(start, len(s))
-            slots += [s.block_table[i // bs] * bs + i % bs for i in range(start, len(s))]
+            slots += [(s.block_table[i // bs], i % bs) for i in range(start, len(s))]
             q_lens.append(len(s) - start)
             k_lens.append(len(s))
         cu_q = [0]
@@ -159,7 +160,7 @@ class ModelRunner:
         for q, k in zip(q_lens, k_lens):
             cu_q.append(cu_q[-1] + q)
             cu_k.append(cu_k[-1] + k)
-        meta = AttnMetadata(True, self._tensor(slots), q_lens=q_lens, k_lens=k_lens,
+        meta = AttnMetadata(True, self._tensor(slots).T, q_lens=q_lens, k_lens=k_lens,
                             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32))
         if any(q != k for q, k in zip(q_lens, k_lens)):
             meta.block_tables = self._block_tables(seqs)
@@ -168,15 +169,15 @@ class ModelRunner:
 
     def _decode_host_inputs(self, seqs: list[Sequence], rows: int, width: int):
         """Decode inputs as two host tensors (pinned on CUDA), padded to `rows` sequences and `width` blocks:
-        int64 [4, rows] = ids, positions, slots, context lens (padding: token 0 at position 0, writing into the
-        scratch block, with no context), and int32 [len(seqs), width] block tables."""
+        int64 [5, rows] = ids, positions, KV block, KV offset, context lens (padding: token 0 at position 0,
+        writing into the scratch block, with no context), and int32 [len(seqs), width] block tables."""
         bs = self.block_size
-        inputs = np.zeros((4, rows), dtype=np.int64)
-        inputs[2] = self.num_blocks * bs
+        inputs = np.zeros((5, rows), dtype=np.int64)
+        inputs[2] = self.num_blocks
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for i, s in enumerate(seqs):
             last = len(s) - 1
-            inputs[:, i] = (s.last_token, last, s.block_table[last // bs] * bs + last % bs, len(s))
+            inputs[:, i] = (s.last_token, last, s.block_table[last // bs], last % bs, len(s))
             tables[i, :len(s.block_table)] = s.block_table
         pin = self.device.type == "cuda"
         return (torch.from_numpy(inputs).pin_memory() if pin else torch.from_numpy(inputs),
@@ -185,7 +186,7 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence]):
         host, tables = self._decode_host_inputs(seqs, len(seqs), max(len(s.block_table) for s in seqs))
         dev = host.to(self.device, non_blocking=True)
-        meta = AttnMetadata(False, dev[2], block_tables=tables.to(self.device, non_blocking=True), context_lens=dev[3])
+        meta = AttnMetadata(False, dev[2:4], block_tables=tables.to(self.device, non_blocking=True), context_lens=dev[4])
         return dev[0], dev[1], meta
 
     # ---------------------------------------------------------------- step
@@ -237,7 +238,7 @@ class ModelRunner:
             sizes.append(max_bs)
         dev = self.device
         self.graph_vars = {
-            "inputs": torch.zeros(4, max_bs, dtype=torch.long, device=dev),  # ids, positions, slots, context lens
+            "inputs": torch.zeros(5, max_bs, dtype=torch.long, device=dev),  # ids, pos, block, offset, context
             "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "logits": torch.zeros(max_bs, self.args.vocab_size, dtype=self.dtype, device=dev),
         }
@@ -248,8 +249,10 @@ class ModelRunner:
         """Capture the decode step for batch size b. Inputs point at the scratch block while capturing, so the
         warm-up and capture runs write no real KV (this also makes a later, lazy capture safe)."""
         g = self.graph_vars
-        ids, pos, slots, context_lens = g["inputs"][:, :b]
-        slots.fill_(self.num_blocks * self.block_size)
+        ids, pos, _, _, context_lens = g["inputs"][:, :b]
+        slots = g["inputs"][2:4, :b]
+        slots[0].fill_(self.num_blocks)
+        slots[1].zero_()
         context_lens.zero_()
         meta = AttnMetadata(False, slots, block_tables=g["block_tables"][:b], context_lens=context_lens)
         step = lambda: self.model.logits(self.model(ids, pos, meta))  # noqa: E731

@@ -16,7 +16,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         if self.k_cache.numel():
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slots)
         if meta.is_prefill:
             return prefill_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
