@@ -156,12 +156,10 @@ class ModelRunner:
             q_lens.append(len(s) - start)
             k_lens.append(len(s))
         cu_q = [0]
-        cu_k = [0]
-        for q, k in zip(q_lens, k_lens):
+        for q in q_lens:
             cu_q.append(cu_q[-1] + q)
-            cu_k.append(cu_k[-1] + k)
         meta = AttnMetadata(True, self._tensor(slots).T, q_lens=q_lens, k_lens=k_lens,
-                            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32))
+                            cu_seqlens_q=self._tensor(cu_q, torch.int32))
         if any(q != k for q, k in zip(q_lens, k_lens)):
             meta.block_tables = self._block_tables(seqs)
         last_rows = self._tensor([c - 1 for c in cu_q[1:]])

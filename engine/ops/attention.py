@@ -30,7 +30,6 @@ class AttnMetadata:
     q_lens: list[int] | None = None            # prefill: new tokens per sequence
     k_lens: list[int] | None = None            # prefill: cached prefix + new tokens per sequence
     cu_seqlens_q: torch.Tensor | None = None   # prefill, int32 [B+1] (flash-attn)
-    cu_seqlens_k: torch.Tensor | None = None
 
     @property
     def has_prefix(self) -> bool:

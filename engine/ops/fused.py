@@ -29,18 +29,22 @@ def cuda_compiled(fn):
     return run
 
 
-@cuda_compiled
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32 (inlined into each compiled op below)."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@cuda_compiled
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms(x, weight, eps)
 
 
 @cuda_compiled
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """-> (rms_norm(x + residual), x + residual)."""
     residual = x + residual
-    rf = residual.float()
-    return weight * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), residual
+    return _rms(residual, weight, eps), residual
 
 
 @cuda_compiled
@@ -70,7 +74,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 @cuda_compiled
 def qk_norm_rope(q, k, q_weight, k_weight, eps: float, cos, sin):
     """Qwen3: per-head RMSNorm of q and k, then rotary; one kernel on CUDA."""
-    qf, kf = q.float(), k.float()
-    q = q_weight * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + eps)).to(q.dtype)
-    k = k_weight * (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + eps)).to(k.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return _rotate(_rms(q, q_weight, eps), cos, sin), _rotate(_rms(k, k_weight, eps), cos, sin)
