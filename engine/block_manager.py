@@ -3,10 +3,14 @@
 A full block is keyed by a chained xxhash: hash(previous block's key, this block's token ids). Equal prefixes
 give equal keys, so a second question about the same document finds the document's blocks already computed.
 A freed block keeps its key and contents until it is handed out again, so the cache outlives the request.
+
+New blocks come first from the never-cached free blocks, lowest id first (a fresh prompt gets consecutive
+ids: in offload modes a layer's blocks then move in one copy), then from freed cached blocks, oldest first.
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections import OrderedDict
 
 import numpy as np
 import xxhash
@@ -34,12 +38,17 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.clean: list[int] = list(range(num_blocks))     # heap of free blocks without a cache key
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks with a key, in the order freed
         self.used_ids: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.clean) + len(self.cached)
 
     @property
     def num_used(self) -> int:
@@ -50,16 +59,21 @@ class BlockManager:
         if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its old contents are about to be overwritten
         block.ref_count, block.hash, block.token_ids = 1, -1, []
-        self.free_ids.remove(block_id)
+        self.cached.pop(block_id, None)  # a clean block is only ever taken from the top of the heap
         self.used_ids.add(block_id)
         return block
+
+    def _new(self) -> Block:
+        if self.clean:
+            return self._take(heapq.heappop(self.clean))
+        return self._take(next(iter(self.cached)))
 
     def _register(self, block: Block, h: int, token_ids: list[int]) -> None:
         block.hash, block.token_ids = h, list(token_ids)
         self.hash_to_block[h] = block.block_id
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return len(self.free_ids) >= seq.num_blocks
+        return self.num_free >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Blocks for the whole prompt; full blocks found in the prefix cache are shared, not recomputed.
@@ -82,7 +96,7 @@ class BlockManager:
                 else:
                     block = self._take(hit)
             else:
-                block = self._take(self.free_ids[0])
+                block = self._new()
             if full:
                 self._register(block, h, tokens)
             seq.block_table.append(block.block_id)
@@ -93,12 +107,15 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.used_ids.discard(block_id)
-                self.free_ids.append(block_id)
+                if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
+                    self.cached[block_id] = None
+                else:
+                    heapq.heappush(self.clean, block_id)
         seq.block_table = []
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the last token (a new block only when the previous one is full)."""
-        return len(self.free_ids) >= (len(seq) % self.block_size == 1)
+        return self.num_free >= (len(seq) % self.block_size == 1)
 
     def may_append(self, seq: Sequence) -> None:
         """Before a decode step writes the KV of token len-1: open a block if it starts one, and register
@@ -109,4 +126,4 @@ class BlockManager:
                 prev = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
                 tokens = seq.block(len(seq.block_table) - 1)
                 self._register(full, block_hash(tokens, prev), tokens)
-            seq.block_table.append(self._take(self.free_ids[0]).block_id)
+            seq.block_table.append(self._new().block_id)

@@ -7,7 +7,7 @@ import torch
 
 from engine.errors import ConfigError
 
-MODES = ("gpu",)  # offload modes join here as they land
+MODES = ("gpu", "layerwise", "chunked")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -20,12 +20,16 @@ class EngineConfig:
     dtype: str | None = None            # None = bf16 on GPU, fp32 on CPU
     mode: str = "gpu"                   # where KV lives (DESIGN.md §2.1)
     max_model_len: int | None = None    # None = the model's own context length
-    max_num_seqs: int = 16              # sequences decoded together (gpu mode)
+    max_num_seqs: int | None = None     # sequences decoded together: None = 16 in gpu mode, 1 in offload modes
     max_num_batched_tokens: int | None = None  # tokens batched per prefill step; None = min(max_model_len, 32K)
     kv_block_size: int = 256            # tokens per paged KV block (prefix-cache granularity)
     num_kv_blocks: int | None = None    # None = sized from memory (gpu_memory_utilization / cpu_kv_cache_gb)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 4.0
+    ring_slots: int = 3                 # offload modes: device buffers in the ring (layers, or blocks in chunked)
+    gpu_kv_budget_gb: float | None = None  # layerwise: device memory for KV; layers that fit stay resident
+    host_kv_gb: float | None = None     # offload modes: host KV pool; None = one sequence of max_model_len
+    prefill_chunk_tokens: int = 8192    # layerwise prefill: rows per QKV / MLP chunk (bounds activations)
     enforce_eager: bool = False         # True = no CUDA graphs for decode
     torch_threads: int | None = None    # CPU threads for torch; None = torch's default
     seed: int = 0                       # for random weights (--shape)
@@ -36,6 +40,18 @@ class EngineConfig:
             raise ConfigError(f"unknown mode {self.mode!r}: choose one of {', '.join(MODES)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 16 if self.mode == "gpu" else 1
+        elif self.mode != "gpu" and self.max_num_seqs > 1:
+            raise ConfigError(f"{self.mode} mode runs one sequence at a time (max_num_seqs={self.max_num_seqs} was "
+                              "asked for): use mode='gpu' to batch sequences, or max_num_seqs=1")
+        if self.ring_slots < 1:
+            raise ConfigError(f"ring_slots must be at least 1 (got {self.ring_slots})")
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"prefill_chunk_tokens must be at least 1 (got {self.prefill_chunk_tokens})")
+        for name in ("gpu_kv_budget_gb", "host_kv_gb"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive (got {getattr(self, name)})")
         if self.kv_block_size < 16 or self.kv_block_size & (self.kv_block_size - 1):
             raise ConfigError(f"kv_block_size must be a power of two >= 16 (got {self.kv_block_size})")
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks"):

@@ -34,6 +34,8 @@ class GenerationStats:
     decode_tok_s: float         # answer tokens after the first, per second
     total_s: float
     finish_reason: str          # stop | length | cancelled
+    bytes_h2d: int = 0          # KV bytes moved host -> device for this request (offload modes)
+    bytes_d2h: int = 0          # KV bytes moved device -> host
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,7 +89,7 @@ class LLM:
                     random_weights(model, cfg.seed)
                 else:
                     load_weights(model, self.model_dir)
-            self.runner = ModelRunner(model, cfg, self.device, self.dtype, self.max_model_len, rec)
+            self.runner = _make_runner(model, cfg, self.device, self.dtype, self.max_model_len, rec)
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"{self.model_name} does not fit in {self.device} memory in "
                                    f"{str(self.dtype).removeprefix('torch.')}: use a smaller model or --device cpu") from None
@@ -96,7 +98,10 @@ class LLM:
                                    self._eos_ids(), self.max_model_len)
         if rec.enabled:
             rec.end_step(self._memory_metrics())
+        self.plan = getattr(self.runner, "plan", None)   # layerwise: which layers stay on the device
         if progress:
+            if self.plan is not None:
+                progress(1.0, self.plan.describe())
             progress(1.0, "ready")
 
     @property
@@ -156,6 +161,9 @@ class LLM:
             if limit == self.max_model_len:
                 why = f"the model's context is {self.max_model_len} tokens"
                 fix = "shorten the document (or ask about a part of it)"
+            elif self.config.mode != "gpu":
+                why = f"the host KV pool holds {self.kv_capacity_tokens} tokens"
+                fix = "raise host_kv_gb (--host-kv-gb)"
             else:
                 why = f"the KV cache holds {self.kv_capacity_tokens} tokens"
                 fix = "raise gpu_memory_utilization / cpu_kv_cache_gb or num_kv_blocks"
@@ -183,8 +191,11 @@ class LLM:
             for s in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.finish(s, "cancelled")
             torch.cuda.empty_cache()
+            knobs = ("max_num_batched_tokens, max_num_seqs or gpu_memory_utilization" if self.config.mode == "gpu" else
+                     "prefill_chunk_tokens (--prefill-chunk), ring_slots (--ring-slots) or gpu_kv_budget_gb "
+                     "(--gpu-kv-budget)")
             raise OutOfMemoryError("out of GPU memory during " + ("prefill" if is_prefill else "decode") +
-                                   ": lower max_num_batched_tokens, max_num_seqs or gpu_memory_utilization") from None
+                                   f" in {self.config.mode} mode: lower {knobs}") from None
         finally:
             if rec.enabled:  # on CUDA its events are read while the GPU runs the next step
                 rec.end_step(self._step_metrics(seqs, is_prefill), defer=self.device.type == "cuda")
@@ -198,6 +209,8 @@ class LLM:
         m = {"batch": len(seqs), "context_tokens": sum(len(s) for s in seqs),
              "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
              "mem_kv_used": self.block_manager.num_used * self.runner.block_bytes}
+        if self.config.mode != "gpu":
+            m.update(self.runner.step_metrics())
         if is_prefill:
             m["prompt_tokens"] = sum(len(s) for s in seqs)
             m["cached_tokens"] = sum(s.num_cached_tokens for s in seqs)
@@ -294,7 +307,20 @@ def _stats(seq: Sequence) -> GenerationStats:
         completion_tokens=seq.num_completion_tokens, ttft_s=first - seq.t_arrival,
         prefill_tok_s=computed / prefill_s if prefill_s > 0 else 0.0,
         decode_tok_s=decode_n / (end - first) if decode_n > 0 and end > first else 0.0,
-        total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled")
+        total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled",
+        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h)
+
+
+def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, rec: Recorder):
+    if cfg.mode == "gpu":
+        return ModelRunner(model, cfg, device, dtype, max_model_len, rec)
+    from engine.offload import ChunkedRunner, LayerwiseRunner
+    runner = (LayerwiseRunner if cfg.mode == "layerwise" else ChunkedRunner)(model, cfg, device, dtype, max_model_len, rec)
+    plan = getattr(runner, "plan", None)
+    if plan is not None:
+        with rec.span(HOST, "residency plan", **plan.to_dict()):
+            pass
+    return runner
 
 
 def _resolve_model_dir(model: str | None, progress: Progress | None) -> Path:

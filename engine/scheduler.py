@@ -27,7 +27,7 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """-> (sequences for this step, is_prefill)."""
         batch, tokens = [], 0
-        while self.waiting and len(batch) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if batch and tokens + len(seq) > self.max_num_batched_tokens:
                 break

@@ -31,6 +31,8 @@ class Sequence:
         self.t_first_token: float | None = None
         self.t_last_token: float | None = None
         self.t_prefill_start: float | None = None
+        self.bytes_h2d = 0                  # KV bytes this request moved host -> device (offload modes)
+        self.bytes_d2h = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -139,3 +139,34 @@ def _blocks(cache: torch.Tensor, first: int, count: int) -> torch.Tensor:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False):
+    """Partial attention with its log-sum-exp, to be merged with `merge_lse` (chunked offload).
+
+    q [Tq, Hq, D]; k, v head-major [Hkv, Tk, D] (any strides). causal: q are the last Tq of the Tk positions
+    (bottom-right mask). -> out fp32 [Hkv, G, Tq, D], lse fp32 [Hkv, G, Tq] (G = Hq // Hkv query heads per
+    kv head; K/V are never repeated per query head)."""
+    tq, hq, d = q.shape
+    hkv, tk = k.shape[0], k.shape[1]
+    qg = q.float().reshape(tq, hkv, hq // hkv, d).permute(1, 2, 0, 3) * scale      # [Hkv, G, Tq, D]
+    s = torch.matmul(qg, k.float().unsqueeze(1).transpose(-1, -2))                 # [Hkv, G, Tq, Tk]
+    if causal and tq > 1:
+        rows = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        s.masked_fill_(torch.arange(tk, device=q.device)[None, :] > rows, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.float().unsqueeze(1)), lse
+
+
+def merge_lse(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor):
+    """Combine two partial attentions over disjoint keys (log-sum-exp weights) -> (out, lse)."""
+    m = torch.maximum(lse, part_lse)
+    w, pw = torch.exp(lse - m), torch.exp(part_lse - m)
+    total = w + pw
+    return (out * w[..., None] + part * pw[..., None]) / total[..., None], m + torch.log(total)
+
+
+def lse_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Hkv, G, Tq, D] fp32 -> [Tq, Hq, D] in the activations' dtype."""
+    hkv, g, tq, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(tq, hkv * g, d).to(dtype)

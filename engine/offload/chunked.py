@@ -1,0 +1,88 @@
+"""Chunked offload: the prompt goes through all layers one block-sized chunk at a time (DESIGN.md §2.1).
+
+For chunk c (positions c*bs ..) and layer l: q, k, v of the chunk; k, v go to the layer's decode buffer (one
+block per layer, on the device); attention of the chunk over itself (causal) and over each earlier block,
+which streams through a ring of N one-block slots; the partial results merge by log-sum-exp. A full chunk
+is offloaded to the host. The loads run ahead across layers: the ring walks one list of (layer, block) for
+the whole chunk, so the next layer's first blocks load while this layer computes.
+
+Activation memory is bounded by one block, but every chunk re-reads all earlier blocks of every layer:
+prefill moves L * block_bytes * C(C-1)/2 bytes host -> device for C chunks. Decode is the one-token chunk.
+"""
+from __future__ import annotations
+
+from engine.ops.attention import attention_lse, lse_output, merge_lse
+from engine.offload.runner import OffloadRunner
+from engine.offload.streams import wait_on
+from engine.sequence import Sequence
+from engine.trace.events import COMPUTE, COMPUTING
+
+
+class ChunkedRunner(OffloadRunner):
+    mode = "chunked"
+
+    def _make_offload_engine(self):
+        self._pos = 0  # ring position, continuing across chunks and steps
+        return self._engine(self.config.ring_slots, 1)
+
+    def forward(self, seq: Sequence, is_prefill: bool):
+        bs = self.block_size
+        start = seq.num_cached_tokens if is_prefill else len(seq) - 1
+        end = len(seq)
+        out = None
+        a = start
+        while a < end:
+            b = min(end, (a // bs + 1) * bs)
+            out = self._chunk(seq, a, b, is_prefill)
+            a = b
+        return out
+
+    def _chunk(self, seq: Sequence, a: int, b: int, is_prefill: bool):
+        """Positions a..b-1 (inside one block) through every layer -> logits of the last one."""
+        oe, bs, rec, model = self.oe, self.block_size, self.recorder, self.model
+        cb, off = a // bs, a % bs
+        earlier = seq.block_table[:cb]
+        loads = [(l, blk) for l in range(len(model.layers)) for blk in earlier]
+        N = oe.ring_slots
+        first = self._pos
+        for i in range(min(N, len(loads))):
+            layer, blk = loads[i]
+            oe.load((first + i) % N, layer, [blk])
+        h, residual, pos, (cos, sin) = self._inputs(seq, a, b)
+        for l, layer in enumerate(model.layers):
+            with rec.span(COMPUTE, model.layer_names[l], l):
+                with rec.span(COMPUTE, "attention", l):
+                    q, k, v = self._project(layer, h, residual, cos, sin, 0, b - a)
+                    if off == 0:  # a new block: its previous contents must have left for the host
+                        wait_on(oe.dbuf_read[l], self.device, rec, l)
+                    own = oe.dbuf[l]                                        # [2, Hkv, bs, D]
+                    own[0, :, off:off + b - a] = k.transpose(0, 1)
+                    own[1, :, off:off + b - a] = v.transpose(0, 1)
+                    o, lse = attention_lse(q, own[0, :, :b - cb * bs], own[1, :, :b - cb * bs], self.scale, causal=True)
+                    for i in range(len(earlier)):
+                        o, lse = self._earlier_block(seq, q, o, lse, loads, first, l * len(earlier) + i)
+                self._finish_layer(layer, h, residual, lse_output(o, q.dtype), l)
+                if b % bs == 0:
+                    oe.offload_dbuf(l, seq.block_table[cb])
+                    hook = self.policy.on_prefill_offload if is_prefill else self.policy.on_decode_offload
+                    hook(seq.block_table[cb], l, own[0], bs)
+        self._pos = first + len(loads)
+        return self._logits(h, residual)
+
+    def _earlier_block(self, seq, q, o, lse, loads, first: int, i: int):
+        """Attend to the i-th load of this chunk (one earlier block), then hand its slot to load i + N."""
+        oe, N, rec = self.oe, self.oe.ring_slots, self.recorder
+        layer, blk = loads[i]
+        slot = (first + i) % N
+        for ev in oe.ready(slot):
+            wait_on(ev, self.device, rec, layer, slot)
+        if rec.enabled:
+            rec.slot_state(slot, layer, COMPUTING, self.block_size, oe.capacity_tokens)
+        kv = oe.buffers[slot][0]
+        part, part_lse = attention_lse(q, kv[0], kv[1], self.scale)
+        o, lse = merge_lse(o, lse, part, part_lse)
+        oe.release(slot, layer, self.block_size)
+        if i + N < len(loads):
+            nl, nb = loads[i + N]
+            oe.load(slot, nl, [nb])
+        return o, lse

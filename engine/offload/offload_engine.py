@@ -1,0 +1,199 @@
+"""OffloadEngine: the only owner of host KV, the device ring, the decode buffer, the copy streams and events.
+
+Every byte of KV that crosses between host and device goes through `load()` or `offload()` here.
+
+Layouts (K and V of a block side by side, heads major inside, so one block of one layer is one contiguous
+run of 2*Hkv*bs*D elements and consecutive blocks are consecutive runs: a load of a whole layer whose host
+blocks are numbered in order is ONE copy):
+    host      [L, host_blocks, 2, Hkv, bs, D]   pinned (pageable with a warning if pinning fails)
+    ring slot [slot_blocks, 2, Hkv, bs, D]      on the device; N of them (N = ring depth)
+    resident  [slot_blocks, 2, Hkv, bs, D]      on the device, one per layer the residency plan keeps there
+    dbuf      [L, 2, Hkv, bs, D]                 on the device: each layer's partly filled last block
+
+Buffers are numbered: ring slots 0..N-1, then resident buffers N, N+1, ... Per buffer: `loaded` (its last
+load), `free` (compute done with it) and `read` (its last offload, which reads it). A load into a buffer
+waits for `free` and `read` of that buffer and for the last offload of the layer it reads (host blocks are
+not read before they are written). The compute stream waits for `loaded` (see streams.wait_on).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from engine.errors import OutOfMemoryError
+from engine.offload.streams import CopyStream, compute_done
+from engine.trace.events import D2H, FREE, H2D, LOADING, READY
+from engine.trace.recorder import NULL_RECORDER, Recorder
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """[(buffer pos, host block)] -> [(first pos, first block, count)]: runs where both go up by one."""
+    runs: list[list[int]] = []
+    for pos, blk in pairs:
+        if runs and pos == runs[-1][0] + runs[-1][2] and blk == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([pos, blk, 1])
+    return [tuple(r) for r in runs]
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM available (Linux MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class OffloadEngine:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, host_blocks: int, ring_slots: int, slot_blocks: int,
+                 resident_layers: tuple[int, ...] = (), recorder: Recorder = NULL_RECORDER):
+        self.L, self.block_size, self.dtype, self.device = num_layers, block_size, dtype, device
+        self.block_shape = (2, num_kv_heads, block_size, head_dim)
+        self.block_bytes = 2 * num_kv_heads * block_size * head_dim * dtype.itemsize  # one block of one layer
+        self.host_blocks, self.slot_blocks = host_blocks, slot_blocks
+        self.recorder = recorder
+        self.host = self._allocate_host((num_layers, host_blocks, *self.block_shape))
+        try:
+            self.buffers = [torch.zeros((slot_blocks, *self.block_shape), dtype=dtype, device=device)
+                            for _ in range(ring_slots + len(resident_layers))]
+            self.dbuf = torch.zeros((num_layers, *self.block_shape), dtype=dtype, device=device)
+        except torch.OutOfMemoryError:
+            raise OutOfMemoryError(
+                f"the KV ring ({ring_slots} slots) and {len(resident_layers)} resident layers of {slot_blocks} blocks "
+                f"({slot_blocks * self.block_bytes / 2**30:.2f} GiB each) do not fit on {device}: lower ring_slots "
+                "(--ring-slots), gpu_kv_budget_gb (--gpu-kv-budget) or max_model_len (--max-model-len)") from None
+        self.ring_slots = ring_slots
+        self.resident = {layer: ring_slots + i for i, layer in enumerate(resident_layers)}
+        n = len(self.buffers)
+        self.loaded: list = [None] * n     # the buffer's last load
+        self.free: list = [None] * n       # compute done with the buffer
+        self.read: list = [None] * n       # the buffer's last offload (it reads the buffer)
+        self.held: list[dict] = [{} for _ in range(n)]  # position -> (layer, host block, version) it holds
+        self.version: dict[tuple[int, int], int] = {}   # (layer, host block) -> times written
+        self.layer_written: list = [None] * num_layers  # last offload into each layer's host blocks
+        self.dbuf_read: list = [None] * num_layers      # last offload out of each layer's decode buffer
+        self.h2d = CopyStream("h2d", H2D, device)
+        self.d2h = CopyStream("d2h", D2H, device)
+        self.bytes_h2d = self.bytes_d2h = 0
+
+    def _allocate_host(self, shape) -> torch.Tensor:
+        nbytes = self.dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        avail = available_host_memory()
+        if avail is not None and nbytes > 0.9 * avail:
+            raise OutOfMemoryError(
+                f"the host KV pool needs {nbytes / 2**30:.1f} GiB ({shape[1]} blocks of {self.block_size} tokens) but "
+                f"only {avail / 2**30:.1f} GiB of RAM is available: lower max_model_len (--max-model-len) or "
+                "host_kv_gb (--host-kv-gb)")
+        if self.device.type != "cuda":
+            return torch.zeros(shape, dtype=self.dtype)
+        try:
+            return torch.zeros(shape, dtype=self.dtype, pin_memory=True)
+        except RuntimeError as e:
+            warnings.warn(f"could not pin {nbytes / 2**30:.1f} GiB of host memory ({e}); using pageable memory: "
+                          "host-device copies will be about 3x slower and synchronous", stacklevel=2)
+            return torch.zeros(shape, dtype=self.dtype)
+
+    # ---------------------------------------------------------------- views
+    def buffer_for(self, layer: int, ring_pos: int | None = None) -> int:
+        """The buffer a layer computes in: its resident buffer, or ring slot `ring_pos % N`."""
+        return self.resident[layer] if layer in self.resident else ring_pos % self.ring_slots
+
+    def kv_views(self, buf: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a buffer as [blocks, offset, head, dim] views (what the paged attention ops take)."""
+        b = self.buffers[buf]
+        return b[:, 0].transpose(1, 2), b[:, 1].transpose(1, 2)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.slot_blocks * self.block_size
+
+    # ---------------------------------------------------------------- copies
+    def load(self, buf: int, layer: int, host_blocks: list[int], first: int = 0, **trace) -> None:
+        """Host blocks of `layer` -> buffer positions first, first+1, ... (H2D stream, async). Positions that
+        already hold the current version of their block (a resident layer, a slot loaded before) are skipped."""
+        held, ver = self.held[buf], self.version
+        need = []
+        for i, b in enumerate(host_blocks):
+            key = (layer, b, ver.get((layer, b), 0))
+            if held.get(first + i) != key:
+                held[first + i] = key
+                need.append((first + i, b))
+        if not need:
+            return
+        rec = self.recorder
+        dst = self.buffers[buf]
+        pairs = [(dst[p:p + n], self.host[layer, b:b + n]) for p, b, n in block_runs(need)]
+        nbytes = len(need) * self.block_bytes
+        slot = buf if buf < self.ring_slots else None
+        if rec.enabled and slot is not None:
+            rec.slot_state(slot, layer, LOADING, first * self.block_size, self.capacity_tokens,
+                           stream=self.h2d.stream)
+        self.loaded[buf] = self.h2d.copy(pairs, (self.free[buf], self.read[buf], self.loaded[buf],
+                                                 self.layer_written[layer]),
+                                         recorder=rec, name=f"load L{layer}", layer=layer, slot=slot, nbytes=nbytes,
+                                         blocks=len(need), copies=len(pairs), **trace)
+        if rec.enabled and slot is not None:
+            rec.slot_state(slot, layer, READY, (first + len(host_blocks)) * self.block_size, self.capacity_tokens,
+                           event=self.loaded[buf] if self.device.type == "cuda" else None)
+        self.bytes_h2d += nbytes
+
+    def writing(self, buf: int, first: int) -> None:
+        """Compute is about to write positions >= first of a buffer: they no longer hold host blocks."""
+        for p in [p for p in self.held[buf] if p >= first]:
+            del self.held[buf][p]
+
+    def ready(self, buf: int) -> tuple:
+        """Events compute must wait for before using a buffer: its loads landed, its offloads read it."""
+        return self.loaded[buf], self.read[buf]
+
+    def offload(self, buf: int, layer: int, positions: list[int], host_blocks: list[int], **trace) -> None:
+        """Buffer positions -> host blocks of `layer` (D2H stream, async, after the compute issued so far)."""
+        self._offload(self.buffers[buf], buf, layer, positions, host_blocks, trace)
+
+    def offload_dbuf(self, layer: int, host_block: int, **trace) -> None:
+        """The layer's decode-buffer block (now full) -> a host block."""
+        self._offload(self.dbuf[layer:layer + 1], None, layer, [0], [host_block], trace)
+
+    def _offload(self, src, buf, layer, positions, host_blocks, trace) -> None:
+        if not host_blocks:
+            return
+        pairs = [(self.host[layer, b:b + n], src[p:p + n]) for p, b, n in block_runs(list(zip(positions, host_blocks)))]
+        nbytes = len(host_blocks) * self.block_bytes
+        slot = buf if buf is not None and buf < self.ring_slots else None
+        done = self.d2h.copy(pairs, (compute_done(self.device),), recorder=self.recorder, name=f"offload L{layer}",
+                             layer=layer, slot=slot, nbytes=nbytes, blocks=len(host_blocks), copies=len(pairs), **trace)
+        self.layer_written[layer] = done
+        for p, b in zip(positions, host_blocks):
+            v = self.version[(layer, b)] = self.version.get((layer, b), 0) + 1
+            if buf is not None:
+                self.held[buf][p] = (layer, b, v)
+        if buf is not None:
+            self.read[buf] = done
+        else:
+            self.dbuf_read[layer] = done
+        self.bytes_d2h += nbytes
+
+    def release(self, buf: int, layer: int, tokens: int) -> None:
+        """Compute is done with a buffer (for now): later loads into it may start."""
+        self.free[buf] = compute_done(self.device)
+        rec = self.recorder
+        if rec.enabled and buf < self.ring_slots:
+            rec.slot_state(buf, layer, FREE, tokens, self.capacity_tokens)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far (both directions)."""
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+
+    def close(self) -> None:
+        self.h2d.close()
+        self.d2h.close()

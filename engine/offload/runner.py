@@ -1,0 +1,124 @@
+"""What the two offload modes share: one sequence at a time, KV in the host pool, the model driven layer by layer.
+
+A runner has the model runner's face (`run`, `num_blocks`, `block_bytes`, `recorder`, `sampler`), so LLM,
+the scheduler and the block manager do not care where KV lives. Block ids in a sequence's block table are
+host pool blocks; the prefix cache works on them as in gpu mode.
+
+Token positions are the same in every buffer: position p of a layer's KV is block p // bs, offset p % bs, in
+the host pool (through the block table) and in a device buffer (directly).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.layers.sampler import Sampler
+from engine.models.llama import CausalLM
+from engine.offload.offload_engine import OffloadEngine
+from engine.sequence import Sequence
+from engine.sparse.policy import FullPolicy, KVLayout, SparsePolicy
+from engine.trace.events import COMPUTE, HOST
+from engine.trace.recorder import NULL_RECORDER, Recorder
+
+
+class OffloadRunner:
+    mode = "offload"
+
+    def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, recorder: Recorder = NULL_RECORDER, policy: SparsePolicy | None = None):
+        self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        a = self.args = model.args
+        self.block_size = bs = config.kv_block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // bs)
+        self.max_num_batched_tokens = max_model_len  # the whole prompt in one step, one sequence at a time
+        self.chunk_tokens = config.prefill_chunk_tokens
+        self.sampler = Sampler(device)
+        self.block_bytes = a.kv_bytes_per_token * bs * dtype.itemsize  # one block, all layers (host pool)
+        if config.host_kv_gb is not None:
+            self.num_blocks = int(config.host_kv_gb * 2**30 // self.block_bytes)
+            if self.num_blocks < 1:
+                raise ConfigError(f"host_kv_gb {config.host_kv_gb} holds no block of {self.block_bytes / 2**20:.1f} MiB")
+        else:
+            self.num_blocks = self.max_blocks_per_seq + 1
+        self.policy = policy or FullPolicy()
+        self.policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, bs, device, dtype))
+        self._recorder = recorder
+        with recorder.span(HOST, "allocate KV (host pool + device buffers)"):
+            self.oe = self._make_offload_engine()
+        self.recorder = recorder
+        self.scale = model.layers[0].self_attn.attn.scale
+        self.last_step_bytes = (0, 0)
+
+    def _make_offload_engine(self) -> OffloadEngine:
+        raise NotImplementedError
+
+    def _engine(self, ring_slots: int, slot_blocks: int, resident: tuple[int, ...] = ()) -> OffloadEngine:
+        a = self.args
+        return OffloadEngine(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
+                             self.num_blocks, ring_slots, slot_blocks, resident, self._recorder)
+
+    @property
+    def recorder(self) -> Recorder:
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, rec: Recorder) -> None:
+        self._recorder = self.model.recorder = self.oe.recorder = rec
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        if len(seqs) != 1:
+            raise ConfigError(f"{self.mode} mode runs one sequence at a time ({len(seqs)} were scheduled together)")
+        seq = seqs[0]
+        if is_prefill:
+            self.policy.reset()
+        h2d, d2h = self.oe.bytes_h2d, self.oe.bytes_d2h
+        with torch.inference_mode():
+            logits = self.forward(seq, is_prefill)
+        self.last_step_bytes = (self.oe.bytes_h2d - h2d, self.oe.bytes_d2h - d2h)
+        seq.bytes_h2d += self.last_step_bytes[0]
+        seq.bytes_d2h += self.last_step_bytes[1]
+        if self.recorder.enabled:
+            self.recorder.resolve_deferred()
+        with self.recorder.span(HOST, "sample"):
+            tokens = self.sampler(logits, [seq.params], [seq.seq_id])
+        if self.device.type != "cuda" and self.recorder.enabled:
+            self.oe.synchronize()  # CPU: the step's copies land in the step's trace
+        return tokens
+
+    def forward(self, seq: Sequence, is_prefill: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step_metrics(self) -> dict:
+        return {"bytes_h2d": self.last_step_bytes[0], "bytes_d2h": self.last_step_bytes[1]}
+
+    # ---------------------------------------------------------------- shared pieces
+    def _inputs(self, seq: Sequence, start: int, end: int):
+        """Token ids, positions and rotary cos/sin of positions start..end-1; residual starts at zero (x + 0 == x)."""
+        pin = self.device.type == "cuda"
+        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        pos = torch.arange(start, end, device=self.device)
+        h = self.model.embed_tokens(ids)
+        return h, torch.zeros_like(h), pos, self.model.rotary.cos_sin(pos, h.dtype)
+
+    def _project(self, layer, h, residual, cos, sin, a: int, b: int):
+        """Rows a..b-1: input norm (residual updated in place) -> q, k, v."""
+        x, residual[a:b] = layer.input_layernorm(h[a:b], residual[a:b])
+        return layer.self_attn.project(x, (cos[a:b], sin[a:b]))
+
+    def _finish_layer(self, layer, h, residual, o, l: int) -> None:
+        """Attention output o [T, Hq, D] -> o_proj, then the MLP, in chunks of rows, in place in h / residual."""
+        with self.recorder.span(COMPUTE, "mlp", l):
+            for a in range(0, h.shape[0], self.chunk_tokens):
+                b = min(h.shape[0], a + self.chunk_tokens)
+                x = layer.self_attn.o_proj(o[a:b].flatten(1))
+                x, residual[a:b] = layer.post_attention_layernorm(x, residual[a:b])
+                h[a:b] = layer.mlp(x)
+
+    def _logits(self, h, residual) -> torch.Tensor:
+        with self.recorder.span(COMPUTE, "logits"):
+            return self.model.logits(self.model.norm(h[-1:], residual[-1:])[0])
+
+    def close(self) -> None:
+        self.oe.close()

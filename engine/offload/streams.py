@@ -1,0 +1,139 @@
+"""Copy streams and their events, on CUDA and on CPU.
+
+CUDA: a `CopyStream` is a side stream; `copy()` makes it wait for the given events, enqueues the copies
+(non_blocking) and returns a CUDA event recorded after them. The compute stream waits for such an event
+with `wait_on()` (a GPU-side wait, no host sync).
+
+CPU: a `CopyStream` is one background thread taking jobs in order (a FIFO, like a stream). A job waits for
+its events, copies, then sets its own `HostEvent`. torch releases the GIL inside `copy_`, so copies really
+overlap the compute on the main thread. "Compute done" on CPU is immediate (the main thread computes
+synchronously), so it is the already-set `DONE`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from engine.trace.events import COMPUTE, Span
+from engine.trace.recorder import NULL_RECORDER, Recorder
+
+
+class HostEvent:
+    """A CPU-side event: set by a copy thread when its job is done."""
+    __slots__ = ("_done", "error")
+
+    def __init__(self, done: bool = False):
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        if done:
+            self._done.set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"a KV copy failed: {self.error}") from self.error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+DONE = HostEvent(done=True)
+
+
+class CopyStream:
+    def __init__(self, name: str, lane: str, device: torch.device):
+        self.name, self.lane, self.device = name, lane, device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+        else:
+            self.stream = None
+            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._work, name=f"kvscope-{name}", daemon=True)
+            self._thread.start()
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=(), *, recorder: Recorder = NULL_RECORDER,
+             name: str = "copy", layer: int | None = None, slot: int | None = None, nbytes: int = 0, **args):
+        """Copy each (dst, src) after the events in `after` (None entries are skipped); -> an event for the end."""
+        after = [e for e in after if e is not None]
+        if self.cuda:
+            s = self.stream
+            for e in after:
+                s.wait_event(e)
+            with torch.cuda.stream(s), recorder.span(self.lane, name, layer, stream=s, bytes=nbytes, slot=slot, **args):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(s)
+            return done
+        done = HostEvent()
+        self._jobs.put((pairs, after, recorder, name, layer, slot, nbytes, args, done))
+        return done
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            pairs, after, rec, name, layer, slot, nbytes, args, done = job
+            try:
+                for e in after:
+                    e.wait()
+                with rec.span(self.lane, name, layer, bytes=nbytes, slot=slot, **args):
+                    for dst, src in pairs:
+                        dst.copy_(src)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
+                done.error = e
+            done.set()
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+        else:
+            marker = HostEvent()
+            self._jobs.put(([], [], NULL_RECORDER, "", None, None, 0, {}, marker))
+            marker.wait()
+
+    def close(self) -> None:
+        if not self.cuda:
+            self._jobs.put(None)
+
+
+def compute_done(device: torch.device):
+    """An event marking the compute issued so far (CUDA: recorded on the current stream; CPU: done already)."""
+    if device.type != "cuda":
+        return DONE
+    e = torch.cuda.Event()
+    e.record()
+    return e
+
+
+def wait_on(event, device: torch.device, recorder: Recorder = NULL_RECORDER, layer: int | None = None,
+            slot: int | None = None, name: str = "wait for copy") -> None:
+    """Make the compute stream wait for a copy event. With tracing on, the wait itself is a span on the compute
+    lane: CUDA events recorded just before and just after the wait bound the time compute stalled."""
+    if event is None or event is DONE:
+        return
+    if device.type == "cuda":
+        if not recorder.enabled:
+            torch.cuda.current_stream(device).wait_event(event)
+            return
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.cuda.current_stream(device).wait_event(event)
+        e1.record()
+        recorder.add_event_span(COMPUTE, name, e0, e1, layer, slot=slot)
+        return
+    if not recorder.enabled or event.query():
+        event.wait()
+        return
+    t0 = time.perf_counter_ns()
+    event.wait()
+    rec_t0 = recorder.now_us() - (time.perf_counter_ns() - t0) / 1e3
+    recorder.add_span(Span(COMPUTE, name, rec_t0, recorder.now_us(), layer, 0, slot))

@@ -1,0 +1,66 @@
+"""The sparse-policy interface and the dense baseline every policy is compared to.
+
+The offload modes call a policy at fixed points: `prefill_attention` for a layer's whole prompt,
+`select_blocks` before loading a layer's host blocks at decode (when `requires_block_selection`), and
+`on_prefill_offload` / `on_decode_offload` when a full block leaves the device (its keys still there).
+"""
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.ops.attention import causal_attention
+from engine.trace.recorder import NULL_RECORDER, Recorder
+
+
+@dataclass
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass
+class PolicyContext:
+    layer: int
+    query: torch.Tensor | None = None       # decode: [1, Hq, D]
+    context_len: int = 0
+    step: int = 0
+    recorder: Recorder = field(default=NULL_RECORDER)
+
+
+class SparsePolicy(ABC):
+    name = "base"
+    supports_prefill = False
+    supports_decode = False
+    requires_block_selection = False
+
+    def initialize(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def reset(self) -> None:
+        pass
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                          scale: float) -> torch.Tensor:
+        """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D] -> [Tq, Hq, D]: dense causal."""
+        return causal_attention(q, k, v, scale)
+
+    def select_blocks(self, blocks: list[int], ctx: PolicyContext) -> list[int]:
+        return blocks
+
+    def on_prefill_offload(self, block_id: int, layer_id: int, keys: torch.Tensor, valid_tokens: int) -> None:
+        pass
+
+    def on_decode_offload(self, block_id: int, layer_id: int, keys: torch.Tensor, valid_tokens: int) -> None:
+        pass
+
+
+class FullPolicy(SparsePolicy):
+    """Attends to everything; loads everything."""
+    name = "full"
