@@ -134,16 +134,18 @@ class OffloadEngine:
         pairs = [(dst[p:p + n], self.host[layer, b:b + n]) for p, b, n in block_runs(need)]
         nbytes = len(need) * self.block_bytes
         slot = buf if buf < self.ring_slots else None
+        ready = None
         if rec.enabled and slot is not None:
             rec.slot_state(slot, layer, LOADING, first * self.block_size, self.capacity_tokens,
                            stream=self.h2d.stream)
+            tokens, cap = (first + len(host_blocks)) * self.block_size, self.capacity_tokens
+            ready = lambda: rec.slot_state(slot, layer, READY, tokens, cap)  # noqa: E731 - CPU: on the copy thread
         self.loaded[buf] = self.h2d.copy(pairs, (self.free[buf], self.read[buf], self.loaded[buf],
                                                  self.layer_written[layer]),
                                          recorder=rec, name=f"load L{layer}", layer=layer, slot=slot, nbytes=nbytes,
-                                         blocks=len(need), copies=len(pairs), **trace)
-        if rec.enabled and slot is not None:
-            rec.slot_state(slot, layer, READY, (first + len(host_blocks)) * self.block_size, self.capacity_tokens,
-                           event=self.loaded[buf] if self.device.type == "cuda" else None)
+                                         on_done=ready, blocks=len(need), copies=len(pairs), **trace)
+        if ready is not None and self.device.type == "cuda":
+            rec.slot_state(slot, layer, READY, tokens, cap, event=self.loaded[buf])
         self.bytes_h2d += nbytes
 
     def writing(self, buf: int, first: int) -> None:

@@ -56,5 +56,5 @@ def plan_residency(num_layers: int, ring_slots: int, layer_bytes: int, dbuf_byte
             f"{layer_bytes / 2**30:.2f} GiB + decode buffer = {floor / 2**30:.2f} GiB): raise gpu_kv_budget_gb "
             "(--gpu-kv-budget), lower ring_slots (--ring-slots) or max_model_len (--max-model-len)")
     n = min(num_layers - ring_slots, (budget_bytes - floor) // layer_bytes)
-    resident = tuple(sorted({round((i + 0.5) * num_layers / n - 0.5) for i in range(n)})) if n > 0 else ()
+    resident = tuple(int((i + 0.5) * num_layers / n) for i in range(n)) if n > 0 else ()
     return ResidencyPlan(num_layers, ring_slots, resident, layer_bytes, dbuf_bytes, budget_bytes)

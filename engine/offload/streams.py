@@ -59,8 +59,10 @@ class CopyStream:
             self._thread.start()
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=(), *, recorder: Recorder = NULL_RECORDER,
-             name: str = "copy", layer: int | None = None, slot: int | None = None, nbytes: int = 0, **args):
-        """Copy each (dst, src) after the events in `after` (None entries are skipped); -> an event for the end."""
+             name: str = "copy", layer: int | None = None, slot: int | None = None, nbytes: int = 0, on_done=None,
+             **args):
+        """Copy each (dst, src) after the events in `after` (None entries are skipped); -> an event for the end.
+        CPU: `on_done()` runs on the copy thread right after the copies (CUDA: use the returned event)."""
         after = [e for e in after if e is not None]
         if self.cuda:
             s = self.stream
@@ -69,11 +71,11 @@ class CopyStream:
             with torch.cuda.stream(s), recorder.span(self.lane, name, layer, stream=s, bytes=nbytes, slot=slot, **args):
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)  # the slot view times READY by it
             done.record(s)
             return done
         done = HostEvent()
-        self._jobs.put((pairs, after, recorder, name, layer, slot, nbytes, args, done))
+        self._jobs.put((pairs, after, recorder, name, layer, slot, nbytes, args, done, on_done))
         return done
 
     def _work(self) -> None:
@@ -81,13 +83,15 @@ class CopyStream:
             job = self._jobs.get()
             if job is None:
                 return
-            pairs, after, rec, name, layer, slot, nbytes, args, done = job
+            pairs, after, rec, name, layer, slot, nbytes, args, done, on_done = job
             try:
                 for e in after:
                     e.wait()
                 with rec.span(self.lane, name, layer, bytes=nbytes, slot=slot, **args):
                     for dst, src in pairs:
                         dst.copy_(src)
+                if on_done is not None:
+                    on_done()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
                 done.error = e
             done.set()
@@ -97,7 +101,7 @@ class CopyStream:
             self.stream.synchronize()
         else:
             marker = HostEvent()
-            self._jobs.put(([], [], NULL_RECORDER, "", None, None, 0, {}, marker))
+            self._jobs.put(([], [], NULL_RECORDER, "", None, None, 0, {}, marker, None))
             marker.wait()
 
     def close(self) -> None:

@@ -1,0 +1,151 @@
+"""Offload modes on the real default model (fp32, CPU, copy threads): same tokens as gpu mode, the traffic
+the formulas predict, and a trace that shows the pipeline."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError, OutOfMemoryError
+from engine.offload import plan_residency
+from engine.offload.offload_engine import block_runs
+from engine.ops.attention import attention_lse, causal_attention, lse_output, merge_lse
+from engine.trace import TraceRecorder
+from engine.trace.events import COMPUTE, H2D
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)  # 20 tokens: every prompt below crosses a block boundary
+
+
+def _engine(model_dir, mode, **kw):
+    kw.setdefault("max_model_len", 512)
+    return LLM(str(model_dir), device="cpu", kv_block_size=BS, mode=mode, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir):
+    return {m: _engine(default_model_dir, m) for m in ("gpu", "layerwise", "chunked")}
+
+
+@pytest.fixture(scope="module")
+def prompts(engines):
+    tok = engines["gpu"].tokenizer
+    text = tok.encode("The lighthouse keeper counted the ships that passed the northern cape each night, " * 12)
+    return {"one block": text[:BS], "several blocks": text[:4 * BS], "partial last block": text[:3 * BS + 5]}
+
+
+@pytest.mark.parametrize("case", ["one block", "several blocks", "partial last block"])
+def test_offload_modes_give_the_gpu_mode_tokens(engines, prompts, case):
+    want = engines["gpu"].generate([prompts[case]], GREEDY)[0].token_ids
+    for mode in ("layerwise", "chunked"):
+        got = engines[mode].generate([prompts[case]], GREEDY)[0]
+        assert got.token_ids == want, mode
+        assert got.stats.bytes_d2h > 0
+
+
+def test_residency_and_ring_depth_do_not_change_tokens(default_model_dir, engines, prompts):
+    want = engines["gpu"].generate([prompts["partial last block"]], GREEDY)[0].token_ids
+    layer_mib = 512 // BS * engines["layerwise"].runner.block_bytes / 30 / 2**20
+    budget_gb = (2 + 7) * layer_mib / 1024 + 0.001  # ring of 2 + 7 resident layers (+ decode buffer slack)
+    llm = _engine(default_model_dir, "layerwise", ring_slots=2, gpu_kv_budget_gb=budget_gb)
+    assert len(llm.plan.resident) == 7 and llm.plan.ring_slots == 2
+    assert llm.plan.describe().startswith("layerwise plan: 7 of 30 layers resident")
+    assert llm.generate([prompts["partial last block"]], GREEDY)[0].token_ids == want
+    one = _engine(default_model_dir, "layerwise", ring_slots=1)
+    assert one.generate([prompts["partial last block"]], GREEDY)[0].token_ids == want
+
+
+def test_documents_one_after_another_answer_as_in_fresh_engines(default_model_dir, engines, prompts):
+    tok = engines["gpu"].tokenizer
+    doc_a = prompts["several blocks"] + tok.encode(" Question: what did the keeper count?")
+    doc_b = tok.encode("A recipe: flour, water, salt and a long rest overnight. " * 6) + tok.encode(" Question: what rests?")
+    follow = prompts["several blocks"] + tok.encode(" Question: where is the cape?")  # shares doc A's blocks
+    for mode in ("layerwise", "chunked"):
+        llm = engines[mode]
+        in_turn = [llm.generate([p], GREEDY)[0] for p in (doc_a, doc_b, follow)]
+        fresh = [_engine(default_model_dir, mode).generate([p], GREEDY)[0] for p in (doc_a, doc_b, follow)]
+        assert [c.token_ids for c in in_turn] == [c.token_ids for c in fresh], mode
+        assert in_turn[2].stats.cached_tokens == 4 * BS and fresh[2].stats.cached_tokens == 0
+
+
+def test_layerwise_decode_trace_shows_the_ring(default_model_dir, prompts):
+    n_ring = 3
+    llm = _engine(default_model_dir, "layerwise", ring_slots=n_ring)
+    rec = TraceRecorder()
+    llm.recorder = rec
+    prompt = prompts["partial last block"]                       # 53 tokens: 3 full blocks on the host
+    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
+    L, block = llm.args.num_layers, llm.runner.oe.block_bytes
+    assert prefill.metrics["bytes_h2d"] == 0                     # prefill reads nothing back
+    assert prefill.metrics["bytes_d2h"] == L * 3 * block         # each full block written once per layer
+    step = decodes[1]                                            # a steady-state step (its first loads came early)
+    computes = {s.layer: s for s in step.lane_spans(COMPUTE) if s.name.startswith("layer ")}
+    assert sorted(computes) == list(range(L))                    # one compute span per layer
+    loads = {s.layer: s for s in step.lane_spans(H2D)}
+    assert step.metrics["bytes_h2d"] == L * 3 * block == sum(s.bytes for s in loads.values())
+    for layer in range(L - n_ring):                              # load of l + N after compute of l is done
+        assert loads[layer + n_ring].t0_us >= computes[layer].t1_us
+        assert loads[layer + n_ring].slot == computes[layer].slot == layer % n_ring
+    # when layer l starts computing, the loads of layers l .. l+N-1 have been issued: N in flight
+    loading = [s for s in step.slots if s.state == "loading"]
+    assert len(loading) == L                                     # L-N for this step, N for the next one
+    for layer in range(n_ring, L - n_ring):
+        issued = {s.layer for s in loading if s.t_us < computes[layer].t0_us}
+        assert issued == set(range(n_ring, layer + n_ring))      # layers < N were issued by the step before
+    states = {s.state for s in step.slots}
+    assert states == {"loading", "ready", "computing", "free"}
+
+
+def test_chunked_prefill_reads_back_the_triangle(default_model_dir, prompts):
+    llm = _engine(default_model_dir, "chunked", ring_slots=2)
+    rec = TraceRecorder()
+    llm.recorder = rec
+    prompt = prompts["partial last block"]                       # C = 4 chunks of 16 tokens (the last one partial)
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    prefill = next(s for s in rec.steps if s.phase == "prefill")
+    L, b_tok = llm.args.num_layers, llm.runner.oe.block_bytes // BS
+    C = 4
+    assert prefill.metrics["bytes_h2d"] == L * b_tok * BS * C * (C - 1) // 2
+    assert prefill.metrics["bytes_d2h"] == L * b_tok * BS * 3     # full chunks only
+
+
+def test_cancel_frees_host_blocks_and_the_next_answer_is_unchanged(engines, prompts):
+    llm = engines["layerwise"]
+    want = llm.generate([prompts["several blocks"]], GREEDY)[0].token_ids
+    seq = llm.add_request(prompts["partial last block"], GREEDY)
+    llm.step()
+    llm.step()
+    llm.cancel(seq)
+    assert llm.block_manager.num_used == 0 and seq.finish_reason == "cancelled"
+    assert llm.generate([prompts["several blocks"]], GREEDY)[0].token_ids == want
+
+
+def test_offload_refusals_name_the_knob(default_model_dir):
+    with pytest.raises(OutOfMemoryError, match=r"GiB.*--host-kv-gb"):
+        _engine(default_model_dir, "layerwise", host_kv_gb=1e6)
+    with pytest.raises(ConfigError, match="one sequence at a time"):
+        _engine(default_model_dir, "chunked", max_num_seqs=4)
+    with pytest.raises(OutOfMemoryError, match=r"--gpu-kv-budget"):
+        _engine(default_model_dir, "layerwise", gpu_kv_budget_gb=0.001)
+
+
+def test_planner_spreads_resident_layers():
+    p = plan_residency(36, 3, 100, 10, 3 * 100 + 10 + 6 * 100)
+    assert len(p.resident) == 6 and p.resident == (3, 9, 15, 21, 27, 33) and len(p.streamed) == 30
+    assert plan_residency(36, 3, 100, 10, 36 * 100 + 10).ring_slots == 0
+    assert plan_residency(36, 3, 100, 10, None).resident == ()
+
+
+def test_block_runs_coalesce_consecutive_blocks():
+    assert block_runs([(0, 7), (1, 8), (2, 9), (3, 3), (4, 4), (6, 5)]) == [(0, 7, 3), (3, 3, 2), (6, 5, 1)]
+
+
+def test_lse_merge_equals_one_softmax():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 8, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16)
+    want = causal_attention(q, k, v, 0.25)
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)
+    o, lse = attention_lse(q, kh[:, 35:], vh[:, 35:], 0.25, causal=True)
+    for a in range(0, 35, 16):
+        b = min(35, a + 16)
+        o, lse = merge_lse(o, lse, *attention_lse(q, kh[:, a:b], vh[:, a:b], 0.25))
+    torch.testing.assert_close(lse_output(o, q.dtype), want, atol=1e-5, rtol=1e-5)
