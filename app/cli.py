@@ -26,6 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
     c.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    c.add_argument("--mode", choices=("gpu", "layerwise", "chunked"), default="gpu",
+                   help="where KV lives: gpu (paged, on the device), layerwise (host pool, a ring of whole-layer device "
+                   "buffers), chunked (host pool, block-sized chunks through a ring of block slots)")
+    c.add_argument("--ring-slots", type=int, default=3, help="offload modes: device buffers in the ring")
+    c.add_argument("--gpu-kv-budget", type=float, default=None, metavar="GB",
+                   help="layerwise: device memory for KV; layers that fit stay resident, the rest stream")
+    c.add_argument("--host-kv-gb", type=float, default=None, metavar="GB",
+                   help="offload modes: host KV pool (default: one sequence of --max-model-len)")
+    c.add_argument("--prefill-chunk", type=int, default=8192, metavar="TOKENS",
+                   help="layerwise prefill: rows per QKV/MLP chunk (bounds activation memory)")
+    c.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     c.add_argument("--top-p", type=float, default=1.0)
@@ -81,7 +92,9 @@ def _chat(args) -> int:
         recorder = TraceRecorder(max_steps=args.max_new_tokens + 64,
                                  device=EngineConfig(device=args.device).resolve_device())
     llm = LLM(args.model, progress=_progress, recorder=recorder, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
+              gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
+              prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size)
     messages = document_messages(document.text, question, document.name, args.system)
     answer = []
     stats = None
@@ -94,13 +107,17 @@ def _chat(args) -> int:
                 print(chunk.text, end="", flush=True)
     if args.json:
         print(json.dumps({"answer": "".join(answer), "document": str(doc_path), "question": question,
-                          "model": llm.model_name, "device": str(llm.device),
+                          "model": llm.model_name, "device": str(llm.device), "mode": args.mode,
+                          **({"plan": llm.plan.to_dict()} if llm.plan is not None else {}),
                           "dtype": str(llm.dtype).removeprefix("torch."), **stats.to_dict()}, indent=2))
     else:
         print("\n")
         print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached) · answer {stats.completion_tokens} "
               f"tok · TTFT {stats.ttft_s:.2f} s · prefill {stats.prefill_tok_s:,.0f} tok/s · decode "
               f"{stats.decode_tok_s:.1f} tok/s · {stats.finish_reason}", file=sys.stderr)
+        if args.mode != "gpu":
+            print(f"{args.mode}: KV moved host->device {stats.bytes_h2d / 2**20:,.1f} MiB, device->host "
+                  f"{stats.bytes_d2h / 2**20:,.1f} MiB", file=sys.stderr)
     if recorder is not None:
         path = write_chrome_trace(list(recorder.steps), args.trace)
         print(f"trace: {len(recorder.steps)} steps written to {path} (open it in https://ui.perfetto.dev)",

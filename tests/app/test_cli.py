@@ -115,3 +115,22 @@ def test_cuda_without_cuda(capsys, default_model_dir):
 def test_invalid_sampling_values(capsys, flag, value, phrase):
     code, _, err = run_cli(capsys, "--ask", "hi", flag, value)
     assert code == 2 and phrase in err
+
+
+def test_layerwise_mode_reports_bytes_moved(capsys, tmp_path, default_model_dir):
+    doc = tmp_path / "note.txt"
+    doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen.\n")
+    code, out, err = run_cli(capsys, "--document", str(doc), "--ask", "In which city is the meeting?", "--json",
+                             "--max-new-tokens", "24", "--model", str(default_model_dir), "--mode", "layerwise",
+                             "--ring-slots", "2", "--block-size", "16")
+    assert code == 0, err
+    result = json.loads(out)
+    assert "Bergen" in result["answer"] and result["mode"] == "layerwise"
+    assert result["bytes_h2d"] > 0 and result["bytes_d2h"] > 0 and result["plan"]["ring_slots"] == 2
+    assert "layerwise plan: 0 of 30 layers resident" in err
+
+
+def test_host_pool_too_big_for_ram(capsys, default_model_dir):
+    code, _, err = run_cli(capsys, "--ask", "hi", "--model", str(default_model_dir), "--mode", "layerwise",
+                           "--host-kv-gb", "100000")
+    assert code == 2 and "GiB of RAM is available" in err and "--host-kv-gb" in err
