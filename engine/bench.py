@@ -1,7 +1,8 @@
-"""Benchmarks: ours vs transformers, side by side in one run, medians of repeats.
+"""Benchmarks: our modes vs transformers, side by side in one run, medians of repeats.
 
     python -m engine.bench                                  # CPU, default model: prefill 2K/6K, decode
     python -m engine.bench --shape qwen3-4b --lengths 32768 # GPU, random weights of Qwen3-4B's shape, bf16
+    python -m engine.bench --shape qwen3-4b --lengths 32768 --modes gpu,layerwise,chunked --hf-offloaded
 
 Prompts are random token ids, fresh per repeat (so the prefix cache never helps). Decode is timed from the
 first answer token to the last, at a context of the prompt length. Absolute times only mean something on a GPU.
@@ -26,24 +27,54 @@ def _sync(device: torch.device) -> None:
 
 
 class Ours:
-    name = "kvscope"
-
-    def __init__(self, args, max_len: int):
+    def __init__(self, args, max_len: int, mode: str = "gpu"):
+        self.name = "kvscope" if mode == "gpu" else mode
+        self.mode = mode
+        kw = {"ring_slots": args.ring_slots, "gpu_kv_budget_gb": args.gpu_kv_budget} if mode != "gpu" else {}
+        block = args.chunked_block if mode == "chunked" else 256
+        if mode == "gpu":  # room for one sequence only, so that other engines fit beside it
+            kw["num_kv_blocks"] = -(-max_len // block) + 1
+        mem0 = _allocated()
         self.llm = LLM(args.model, shape=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=1,
-                       max_model_len=max_len, enforce_eager=args.eager)
+                       max_model_len=max_len, enforce_eager=args.eager, mode=mode, kv_block_size=block, **kw)
+        self.static_bytes = _allocated() - mem0   # weights + KV buffers
+        self.peak_bytes = 0
         self.gen = torch.Generator().manual_seed(0)
         self.vocab = self.llm.args.vocab_size
 
     def _prompt(self, n: int) -> list[int]:
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
 
+    def _run(self, n: int, new: int):
+        base = _allocated()
+        if self.llm.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out = self.llm.generate([self._prompt(n)], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+        if self.llm.device.type == "cuda":
+            self.peak_bytes = max(self.peak_bytes, self.static_bytes + torch.cuda.max_memory_allocated() - base)
+        self.last = out.stats
+        return out.stats
+
     def prefill_s(self, n: int) -> float:
-        out = self.llm.generate([self._prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True))[0]
-        return out.stats.ttft_s
+        return self._run(n, 1).ttft_s
 
     def decode_s_per_token(self, ctx: int, steps: int) -> float:
-        out = self.llm.generate([self._prompt(ctx)], SamplingParams(max_tokens=steps + 1, ignore_eos=True))[0]
-        return 1.0 / out.stats.decode_tok_s
+        return 1.0 / self._run(ctx, steps + 1).decode_tok_s
+
+    def decode_trace(self, ctx: int, steps: int) -> dict:
+        """One traced decode: H2D GB/s, compute busy fraction and exposed copy time over its steady steps."""
+        from engine.trace import TraceRecorder, summarize
+        rec = TraceRecorder(max_steps=steps + 8, device=self.llm.device, nvtx=False)
+        self.llm.recorder = rec
+        try:
+            self._run(ctx, steps + 1)
+        finally:
+            self.llm.recorder = None
+        decodes = [s for s in rec.steps if s.phase == "decode"][2:]
+        sm = summarize(decodes)
+        return {"h2d_gbps": sm.gbps.get("h2d", 0.0), "compute_busy": sm.busy_fraction.get("compute", 0.0),
+                "exposed_copy_ms_per_token": sm.exposed_copy_us / 1e3 / max(1, len(decodes)),
+                "ms_per_token_traced": (decodes[-1].t1_us - decodes[0].t0_us) / 1e3 / max(1, len(decodes) - 1)}
 
     def decode_graph_s(self, ctx: int, replays: int = 20) -> float:
         """GPU time of one decode step alone (graph replay at a `ctx` context), without the host work around it."""
@@ -66,7 +97,12 @@ class Ours:
         return self.llm.device
 
     def close(self):
+        self.llm.runner.__dict__.get("oe") and self.llm.runner.close()
         del self.llm
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
 class OursTraced:
@@ -110,6 +146,7 @@ class _TokenTimes:
 
 class Transformers:
     name = "transformers"
+    cache = None
 
     def __init__(self, args, ours: Ours):
         import transformers as tf
@@ -139,8 +176,9 @@ class Transformers:
         _sync(self.device)
         t = time.perf_counter()
         with torch.inference_mode():
+            kw = {"cache_implementation": self.cache} if self.cache else {}
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=0, streamer=stamps)
+                                do_sample=False, pad_token_id=0, streamer=stamps, **kw)
         _sync(self.device)
         return time.perf_counter() - t, stamps.times[1:]  # the first put() is the prompt
 
@@ -156,6 +194,21 @@ class Transformers:
         del self.model
 
 
+class TransformersOffloaded(Transformers):
+    """transformers with `cache_implementation="offloaded"` (KV on the host, layer by layer); the same model."""
+    name = "hf-offloaded"
+    cache = "offloaded"
+
+    def __init__(self, hf: Transformers, max_steps: int):
+        self.model, self.vocab, self.device, self.gen, self.max_steps = hf.model, hf.vocab, hf.device, hf.gen, max_steps
+
+    def decode_s_per_token(self, ctx: int, steps: int) -> float:
+        return super().decode_s_per_token(ctx, min(steps, self.max_steps))
+
+    def close(self):
+        pass
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,10 +217,16 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--lengths", default=None, help="prompt lengths, comma separated (default 2048,6144 on CPU, "
-                   "32768 on GPU)")
+                   "32768 on GPU); decode is timed at each")
+    p.add_argument("--modes", default="gpu", help="our modes, comma separated: gpu,layerwise,chunked")
+    p.add_argument("--ring-slots", type=int, default=3, help="offload modes: ring depth")
+    p.add_argument("--gpu-kv-budget", type=float, default=None, help="layerwise: device KV budget (GB)")
+    p.add_argument("--chunked-block", type=int, default=1024, help="chunked mode: block = chunk size (tokens)")
     p.add_argument("--decode-steps", type=int, default=None, help="tokens timed per decode run (default 32 CPU, 64 GPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--hf-offloaded", type=int, default=0, metavar="STEPS",
+                   help="also transformers with its offloaded cache, decode timed over STEPS tokens (it is slow)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -178,17 +237,20 @@ def main(argv=None) -> int:
     steps = args.decode_steps or (64 if on_gpu else 32)
     max_len = max(lengths) + steps + 16
 
-    ours = Ours(args, max_len)
-    engines = [ours] + ([OursTraced(ours)] if args.trace else [])
-    if not args.no_transformers:
-        engines.append(Transformers(args, ours))
-    n = max(lengths)
+    ours = [Ours(args, max_len, m) for m in args.modes.split(",")]
+    engines = ours + ([OursTraced(ours[0])] if args.trace else [])
+    if not args.no_transformers or args.hf_offloaded:
+        hf = Transformers(args, ours[0])
+        engines += ([] if args.no_transformers else [hf]) + ([TransformersOffloaded(hf, args.hf_offloaded)]
+                                                             if args.hf_offloaded else [])
+    gpu = next((o for o in ours if o.mode == "gpu"), None)
     measures = [(f"prefill {m} (tok/s)", lambda e, m=m: m / e.prefill_s(m)) for m in lengths]
-    measures.append((f"decode @{n} (ms/token)", lambda e: 1e3 * e.decode_s_per_token(n, steps)))
-    if ours.llm.runner.graphs:
-        measures.append(("  GPU only, graph replay (ms)", lambda e: 1e3 * e.decode_graph_s(n) if e is ours else None))
+    measures += [(f"decode @{m} (ms/token)", lambda e, m=m: 1e3 * e.decode_s_per_token(m, steps)) for m in lengths]
+    if gpu is not None and gpu.llm.runner.graphs:
+        n = max(lengths)
+        measures.append(("  GPU only, graph replay (ms)", lambda e: 1e3 * e.decode_graph_s(n) if e is gpu else None))
     rows: dict[str, dict[str, float]] = {}
-    for what, fn in measures:  # engines alternate within each repeat, so drift hits both alike
+    for what, fn in measures:  # engines alternate within each repeat, so drift hits all alike
         print(f"# {what}", file=sys.stderr, flush=True)
         samples: dict[str, list[float]] = {e.name: [] for e in engines}
         for e in engines:
@@ -199,29 +261,80 @@ def main(argv=None) -> int:
                 if value is not None:
                     samples[e.name].append(value)
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
-    desc = (f"{ours.llm.model_name} · {ours.llm.device} · {str(ours.llm.dtype).removeprefix('torch.')} · "
-            f"torch {torch.__version__} · graphs {'on' if ours.llm.runner.graphs else 'off'}")
+    extra = _offload_details(ours, lengths, steps)
+    first = ours[0].llm
+    desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
+            f"torch {torch.__version__} · graphs {'on' if gpu is not None and gpu.llm.runner.graphs else 'off'}")
     for e in engines:
         e.close()
     gc.collect()
 
-    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating; decode timed over {steps} tokens\n")
+    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating; decode timed over {steps} "
+          f"tokens ({args.hf_offloaded} for hf-offloaded)\n")
     names = [e.name for e in engines]
-    print(f"{'':28}" + "".join(f"{n:>16}" for n in names))
+    print(f"{'':28}" + "".join(f"{n:>14}" for n in names))
     for what, vals in rows.items():
-        line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>16,.2f}" for n in names)
-        if "transformers" in vals:
-            ratio = vals["kvscope"] / vals["transformers"]
-            better = ratio if "tok/s" in what else 1 / ratio
-            line += f"   vs transformers {better:.2f}x {'faster' if better >= 1 else 'slower'}"
+        line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>14,.2f}" for n in names)
+        for other in ("transformers", "kvscope"):
+            if other in vals and "kvscope" in vals and other != "kvscope":
+                line += f"   {_ratio(vals['kvscope'], vals[other], what)} vs {other}"
+            if other == "kvscope" and "kvscope" in vals:
+                line += "".join(f"   {n} {_ratio(vals[n], vals['kvscope'], what)}" for n in vals
+                                if n in ("layerwise", "chunked"))
+        if "hf-offloaded" in vals and "layerwise" in vals:
+            line += f"   layerwise {_ratio(vals['layerwise'], vals['hf-offloaded'], what)} vs hf-offloaded"
         if "kvscope+trace" in vals:
             cost = vals["kvscope"] / vals["kvscope+trace"] if "tok/s" in what else vals["kvscope+trace"] / vals["kvscope"]
             line += f"   tracing costs {100 * (cost - 1):+.1f}%"
         print(line)
+    for line in extra["lines"]:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": desc, "rows": rows}, f, indent=2)
+            json.dump({"setup": desc, "rows": rows, "offload": extra["data"]}, f, indent=2)
     return 0
+
+
+def _ratio(ours: float, other: float, what: str) -> str:
+    r = ours / other if "tok/s" in what else other / ours
+    return f"{r:.2f}x {'faster' if r >= 1 else 'slower'}"
+
+
+PCIE_GBPS = 53.5  # pinned H2D on the H100 of DESIGN.md §5
+
+
+def _offload_details(ours: list[Ours], lengths: list[int], steps: int) -> dict:
+    """Peak memory of every engine; for offload modes a traced decode (GB/s, busy, exposed copies) and the
+    host->device bytes of one prefill next to the formula."""
+    cuda = ours[0].llm.device.type == "cuda"
+    lines, data = [""], {}
+    if cuda:
+        lines.append("peak GPU memory (GiB): " + ", ".join(
+            f"{o.name} {o.peak_bytes / 2**30:.2f} (weights+buffers {o.static_bytes / 2**30:.2f})" for o in ours))
+        data["peak_gib"] = {o.name: o.peak_bytes / 2**30 for o in ours}
+    for o in ours:
+        if o.mode == "gpu":
+            continue
+        a, dt = o.llm.args, o.llm.dtype
+        per_tok = a.kv_bytes_per_token * dt.itemsize
+        for m in lengths:
+            d = o.decode_trace(m, min(steps, 16))
+            floor_ms = m * per_tok / PCIE_GBPS / 1e6
+            o.prefill_s(m)
+            bs = o.llm.config.kv_block_size
+            C = -(-m // bs)
+            formula = a.num_layers * per_tok // a.num_layers * bs * C * (C - 1) // 2 if o.mode == "chunked" else 0
+            d.update(pcie_floor_ms=floor_ms, prefill_h2d_gb=o.last.bytes_h2d / 1e9, formula_h2d_gb=formula / 1e9,
+                     plan=o.llm.plan.describe() if o.llm.plan is not None else None)
+            data[f"{o.mode}@{m}"] = d
+            floor = f" (PCIe floor {floor_ms:.1f} ms at {PCIE_GBPS} GB/s: {d['ms_per_token_traced'] / floor_ms:.2f}x)"
+            lines.append(f"{o.mode} @{m}: traced decode {d['ms_per_token_traced']:.1f} ms/token{floor if cuda else ''}, H2D "
+                         f"{d['h2d_gbps']:.1f} GB/s, compute busy {100 * d['compute_busy']:.0f}%, exposed copy "
+                         f"{d['exposed_copy_ms_per_token']:.1f} ms/token; prefill H2D {d['prefill_h2d_gb']:.2f} GB"
+                         + (f" (formula L*b*B*C(C-1)/2 = {d['formula_h2d_gb']:.2f} GB)" if o.mode == "chunked" else ""))
+        if o.llm.plan is not None:
+            lines.append(f"  {o.llm.plan.describe()}")
+    return {"lines": lines, "data": data}
 
 
 if __name__ == "__main__":
