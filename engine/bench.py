@@ -74,7 +74,8 @@ class Ours:
         sm = summarize(decodes)
         return {"h2d_gbps": sm.gbps.get("h2d", 0.0), "compute_busy": sm.busy_fraction.get("compute", 0.0),
                 "exposed_copy_ms_per_token": sm.exposed_copy_us / 1e3 / max(1, len(decodes)),
-                "ms_per_token_traced": (decodes[-1].t1_us - decodes[0].t0_us) / 1e3 / max(1, len(decodes) - 1)}
+                "ms_per_token_traced": (decodes[-1].t1_us - decodes[0].t0_us) / 1e3 / max(1, len(decodes)),
+                "first_steps_ms": [round(s.dur_us / 1e3, 1) for s in rec.steps if s.phase == "decode"][:3]}
 
     def decode_graph_s(self, ctx: int, replays: int = 20) -> float:
         """GPU time of one decode step alone (graph replay at a `ctx` context), without the host work around it."""
