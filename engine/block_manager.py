@@ -102,7 +102,7 @@ class BlockManager:
             seq.block_table.append(block.block_id)
 
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
+        for block_id in seq.block_table:  # in order: cached blocks are handed out again in ascending runs
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

@@ -77,7 +77,7 @@ class LLM:
             self.tokenizer = _load_tokenizer(self.model_dir)
         self.args = args
         self.max_model_len = cfg.max_model_len or args.max_position_embeddings
-        if self.max_model_len > args.max_position_embeddings:
+        if self.max_model_len > args.max_position_embeddings and cfg.shape is None:  # random weights: any length
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context of "
                               f"{args.max_position_embeddings} tokens")
         if progress:

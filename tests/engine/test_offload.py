@@ -149,3 +149,16 @@ def test_lse_merge_equals_one_softmax():
         b = min(35, a + 16)
         o, lse = merge_lse(o, lse, *attention_lse(q, kh[:, a:b], vh[:, a:b], 0.25))
     torch.testing.assert_close(lse_output(o, q.dtype), want, atol=1e-5, rtol=1e-5)
+
+
+def test_reused_host_blocks_come_back_in_ascending_runs(default_model_dir):
+    """Layer loads are one copy per run of consecutive host blocks: blocks reused from the prefix cache must be
+    handed out in order, or a long prompt's layer would move as hundreds of small copies."""
+    llm = _engine(default_model_dir, "layerwise")                 # 33 host blocks of 16 tokens
+    tok = llm.tokenizer
+    for topic in ("tides", "bread", "comets"):                   # the third one reuses the first one's blocks
+        seq = llm.add_request(tok.encode(f"A document about {topic}. " * 60)[:15 * BS], SamplingParams(max_tokens=2))
+        llm.step()
+        runs = block_runs([(i, b) for i, b in enumerate(seq.block_table)])
+        assert len(runs) <= 2, seq.block_table                    # never-used blocks, then reused ones
+        llm.cancel(seq)
