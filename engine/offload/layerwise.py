@@ -71,6 +71,7 @@ class LayerwiseRunner(OffloadRunner):
                         o = self._prefill_attention(q, buf, end, l)
                     else:
                         o = decode_attention(q, K, V, self.table[:, :n_done + 1], context, self.scale)
+                    del q  # long prompts: q and o are 1 GiB each at 128K; the MLP needs only o
                 self._finish_layer(model.layers[l], h, residual, o, l)
                 self._after_layer(seq, l, buf, n_host, n_done, end, is_prefill)
             if buf < N:
