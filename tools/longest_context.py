@@ -18,6 +18,7 @@ t = time.perf_counter()
 llm = LLM(shape=a.shape, mode="layerwise", max_model_len=a.tokens + a.decode + 16)
 print(f"engine ready in {time.perf_counter() - t:.0f} s: {llm.plan.describe()}; host pool "
       f"{llm.runner.oe.host.numel() * llm.runner.oe.host.element_size() / 2**30:.1f} GiB", flush=True)
+llm.generate([list(range(2048))], SamplingParams(max_tokens=4, ignore_eos=True))  # compiles the kernels
 weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
 torch.cuda.reset_peak_memory_stats()
 prompt = torch.randint(0, llm.args.vocab_size, (a.tokens,)).tolist()

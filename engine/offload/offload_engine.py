@@ -82,6 +82,7 @@ class OffloadEngine:
         self.h2d = CopyStream("h2d", H2D, device)
         self.d2h = CopyStream("d2h", D2H, device)
         self.bytes_h2d = self.bytes_d2h = 0
+        self._closed = False
 
     def _allocate_host(self, shape) -> torch.Tensor:
         nbytes = self.dtype.itemsize
@@ -93,14 +94,18 @@ class OffloadEngine:
                 f"the host KV pool needs {nbytes / 2**30:.1f} GiB ({shape[1]} blocks of {self.block_size} tokens) but "
                 f"only {avail / 2**30:.1f} GiB of RAM is available: lower max_model_len (--max-model-len) or "
                 "host_kv_gb (--host-kv-gb)")
+        host = torch.zeros(shape, dtype=self.dtype)
         if self.device.type != "cuda":
-            return torch.zeros(shape, dtype=self.dtype)
-        try:
-            return torch.zeros(shape, dtype=self.dtype, pin_memory=True)
-        except RuntimeError as e:
-            warnings.warn(f"could not pin {nbytes / 2**30:.1f} GiB of host memory ({e}); using pageable memory: "
-                          "host-device copies will be about 3x slower and synchronous", stacklevel=2)
-            return torch.zeros(shape, dtype=self.dtype)
+            return host
+        # Pin by registering the allocation: torch's pinned allocator rounds sizes up to a power of two (a 72 GiB
+        # pool would ask for 128 GiB and fail), cudaHostRegister pins exactly what is there.
+        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            warnings.warn(f"could not pin {nbytes / 2**30:.1f} GiB of host memory (CUDA error {int(err)}); using "
+                          "pageable memory: host-device copies will be about 3x slower and synchronous", stacklevel=2)
+        else:
+            self._registered = host
+        return host
 
     # ---------------------------------------------------------------- views
     def buffer_for(self, layer: int, ring_pos: int | None = None) -> int:
@@ -197,5 +202,19 @@ class OffloadEngine:
         self.d2h.synchronize()
 
     def close(self) -> None:
+        """Finish the copies, stop the copy threads, unpin the host pool (also when the engine is collected)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.synchronize()
         self.h2d.close()
         self.d2h.close()
+        if getattr(self, "_registered", None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
+            self._registered = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
