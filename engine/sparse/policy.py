@@ -39,6 +39,7 @@ class SparsePolicy(ABC):
     supports_prefill = False
     supports_decode = False
     requires_block_selection = False
+    one_call_bytes = 2**29  # dense prefill: q up to 512 MiB (32K tokens of Qwen3-4B) in one call, longer per head
 
     def initialize(self, layout: KVLayout) -> None:
         self.layout = layout
@@ -48,9 +49,11 @@ class SparsePolicy(ABC):
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                           scale: float) -> torch.Tensor:
-        """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D] -> [Tq, Hq, D]. Dense causal, one kv head
-        (and its query heads) at a time, each head's result written over its q: q is consumed and returned (at
-        128K tokens of Qwen3-4B that saves a second 1 GiB tensor)."""
+        """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D] -> [Tq, Hq, D], dense causal. q may be
+        consumed: a long one is done one kv head (and its query heads) at a time, each result written over its q
+        (at 128K tokens of Qwen3-4B that saves a second 1 GiB tensor; 5% slower at 32K, so short ones are not)."""
+        if q.numel() * q.element_size() <= self.one_call_bytes:
+            return causal_attention(q, k, v, scale)
         hkv = k.shape[1]
         g = q.shape[1] // hkv
         for h in range(hkv):

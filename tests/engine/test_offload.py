@@ -162,3 +162,14 @@ def test_reused_host_blocks_come_back_in_ascending_runs(default_model_dir):
         runs = block_runs([(i, b) for i, b in enumerate(seq.block_table)])
         assert len(runs) <= 2, seq.block_table                    # never-used blocks, then reused ones
         llm.cancel(seq)
+
+
+def test_dense_prefill_hook_per_head_equals_one_call():
+    from engine.sparse import FullPolicy
+    torch.manual_seed(0)
+    q, k, v = torch.randn(300, 8, 64), torch.randn(340, 2, 64), torch.randn(340, 2, 64)
+    want = causal_attention(q, k, v, 0.1)
+    per_head = FullPolicy()
+    per_head.one_call_bytes = 0                        # as for a long prompt: one kv head at a time, over q
+    torch.testing.assert_close(per_head.prefill_attention(q.clone(), k, v, 0, 0.1), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(FullPolicy().prefill_attention(q, k, v, 0, 0.1), want)
