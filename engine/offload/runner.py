@@ -66,6 +66,8 @@ class OffloadRunner:
     @recorder.setter
     def recorder(self, rec: Recorder) -> None:
         self._recorder = self.model.recorder = self.oe.recorder = rec
+        if rec.enabled and self.device.type == "cpu":
+            rec.device = "cpu (threaded copies)"  # what the views print: copies overlap compute on threads
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         if len(seqs) != 1:

@@ -76,6 +76,7 @@ def test_layerwise_decode_trace_shows_the_ring(default_model_dir, prompts):
     prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
     L, block = llm.args.num_layers, llm.runner.oe.block_bytes
     assert prefill.metrics["bytes_h2d"] == 0                     # prefill reads nothing back
+    assert prefill.device == "cpu (threaded copies)"
     assert prefill.metrics["bytes_d2h"] == L * 3 * block         # each full block written once per layer
     step = decodes[1]                                            # a steady-state step (its first loads came early)
     computes = {s.layer: s for s in step.lane_spans(COMPUTE) if s.name.startswith("layer ")}
