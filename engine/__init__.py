@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config", "MODES": "engine.config", "SamplingParams": "engine.sampling",
     "KVScopeError": "engine.errors", "ModelError": "engine.errors", "ConfigError": "engine.errors",
     "DocumentError": "engine.errors", "ContextTooLongError": "engine.errors", "OutOfMemoryError": "engine.errors",
+    "Cancelled": "engine.errors", "TaskState": "engine.control",
 }
 POLICIES = ("full",)  # sparse policies join here as they land
 

@@ -101,6 +101,15 @@ class BlockManager:
                 self._register(block, h, tokens)
             seq.block_table.append(block.block_id)
 
+    def invalidate(self, seq: Sequence) -> None:
+        """A prefill that did not finish (stopped, out of memory): the blocks it was computing hold no valid KV,
+        so they must not be found by the prefix cache."""
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+            block = self.blocks[block_id]
+            if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = -1, []
+
     def deallocate(self, seq: Sequence) -> None:
         for block_id in seq.block_table:  # in order: cached blocks are handed out again in ascending runs
             block = self.blocks[block_id]

@@ -28,3 +28,7 @@ class ContextTooLongError(DocumentError):
 
 class OutOfMemoryError(KVScopeError):
     """The device ran out of memory; the message names the knob to turn."""
+
+
+class Cancelled(KVScopeError):
+    """The caller asked to stop (checked between layers and between steps)."""

@@ -11,7 +11,8 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
+from engine.control import TaskState
+from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.model_runner import ModelRunner
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config, shape_config
@@ -185,9 +186,21 @@ class LLM:
         if rec.enabled:
             computed = sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
             rec.begin_step(PREFILL if is_prefill else DECODE, computed)
+        task = self.runner.model.task
+        if task is not None:
+            task.prefill = is_prefill
         try:
             tokens = self.runner.run(seqs, is_prefill)
+        except Cancelled:
+            for s in seqs:
+                if is_prefill:
+                    self.block_manager.invalidate(s)
+                self.cancel(s)
+            raise
         except torch.OutOfMemoryError:
+            for s in seqs:
+                if is_prefill:
+                    self.block_manager.invalidate(s)
             for s in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.finish(s, "cancelled")
             torch.cuda.empty_cache()
@@ -242,10 +255,11 @@ class LLM:
             self._recorder.flush()
         return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s)) for s in seqs]
 
-    def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None
-               ) -> Iterator[StreamChunk]:
+    def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
+               progress: Progress | None = None) -> Iterator[StreamChunk]:
         """Chat: yield the answer as it is generated, then a final chunk with the stats.
-        `cancel` is anything with is_set() (threading.Event); it is checked between steps."""
+        `cancel` is a threading.Event, checked after every layer (a long prefill stops within one layer's time);
+        `progress(fraction, message)` hears how far the prefill got, layer by layer."""
         t_start = time.perf_counter()
         rec = self._recorder
         if rec.enabled:
@@ -258,18 +272,24 @@ class LLM:
         seq.t_arrival = t_start
         detok = _Detokenizer(self.tokenizer)
         seen = 0
+        model = self.runner.model
+        model.task = TaskState(cancel, progress) if cancel is not None or progress is not None else None
         try:
             while not seq.is_finished:
                 if cancel is not None and cancel.is_set():
                     self.cancel(seq)
                     break
-                self.step()
+                try:
+                    self.step()
+                except Cancelled:
+                    break
                 new = seq.completion_token_ids[seen:]
                 seen += len(new)
                 text = "".join(detok.push(t) for t in new)
                 if text:
                     yield StreamChunk(text)
         finally:
+            model.task = None
             if not seq.is_finished:  # the consumer stopped early (closed generator): free the blocks
                 self.cancel(seq)
             if rec.enabled:

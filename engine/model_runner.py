@@ -254,8 +254,8 @@ class ModelRunner:
         context_lens.zero_()
         meta = AttnMetadata(False, slots, block_tables=g["block_tables"][:b], context_lens=context_lens)
         step = lambda: self.model.logits(self.model(ids, pos, meta))  # noqa: E731
-        saved = self.model.recorder
-        self.model.recorder = NULL_RECORDER
+        saved, task = self.model.recorder, self.model.task
+        self.model.recorder, self.model.task = NULL_RECORDER, None  # nothing may raise or record mid-capture
         try:
             g["logits"][:b] = step()  # warm-up: compiles the kernels outside the capture
             spans = _GraphSpans()
@@ -265,7 +265,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, self._graph_pool):
                 g["logits"][:b] = step()
         finally:
-            self.model.recorder = saved
+            self.model.recorder, self.model.task = saved, task
         self._graph_pool = graph.pool()
         if traced:
             self.traced_graphs.setdefault(b, []).append((graph, spans.spans))

@@ -90,6 +90,7 @@ class CausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.recorder = NULL_RECORDER  # set by the model runner; spans per layer (attention, MLP)
+        self.task = None               # an engine.control.TaskState while a request runs: cancel and progress
         self.layer_names = [f"layer {i}" for i in range(a.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
@@ -103,6 +104,8 @@ class CausalLM(nn.Module):
                     h, residual = layer.attention(h, residual, cos_sin, meta)
                 with rec.span(COMPUTE, "mlp", i):
                     h, residual = layer.feed_forward(h, residual)
+            if self.task is not None:
+                self.task.layer_done(i + 1, len(self.layers))
         return self.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

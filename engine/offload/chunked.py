@@ -30,7 +30,8 @@ class ChunkedRunner(OffloadRunner):
         start = seq.num_cached_tokens if is_prefill else len(seq) - 1
         end = len(seq)
         out = None
-        a = start
+        a, chunks = start, list(range(start, end, bs)) if start % bs == 0 else [start]
+        self._progress = (0, len(chunks) * len(self.model.layers))
         while a < end:
             b = min(end, (a // bs + 1) * bs)
             out = self._chunk(seq, a, b, is_prefill)
@@ -66,6 +67,10 @@ class ChunkedRunner(OffloadRunner):
                     oe.offload_dbuf(l, seq.block_table[cb])
                     hook = self.policy.on_prefill_offload if is_prefill else self.policy.on_decode_offload
                     hook(seq.block_table[cb], l, own[0], bs)
+            if model.task is not None:
+                done, total = self._progress
+                self._progress = (done + 1, total)
+                model.task.layer_done(done + 1, total)
         self._pos = first + len(loads)
         return self._logits(h, residual)
 

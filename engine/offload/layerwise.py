@@ -76,6 +76,8 @@ class LayerwiseRunner(OffloadRunner):
                 self._after_layer(seq, l, buf, n_host, n_done, end, is_prefill)
             if buf < N:
                 self._prefetch(seq, self.streamed.index(l), n_host, n_done, is_prefill)
+            if model.task is not None:
+                model.task.layer_done(l + 1, len(model.layers))
         self._steps += 1
         return self._logits(h, residual)
 

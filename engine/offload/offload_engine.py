@@ -17,6 +17,7 @@ not read before they are written). The compute stream waits for `loaded` (see st
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -206,7 +207,8 @@ class OffloadEngine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self.synchronize()
+        if self.device.type == "cuda":  # copies in flight must land before the pool is unpinned
+            self.synchronize()       # (CPU copy threads finish their queue, then stop: no waiting here)
         self.h2d.close()
         self.d2h.close()
         if getattr(self, "_registered", None) is not None:
@@ -214,6 +216,8 @@ class OffloadEngine:
             self._registered = None
 
     def __del__(self):
+        if sys.is_finalizing():  # threads and CUDA may be gone already
+            return
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown

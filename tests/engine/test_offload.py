@@ -174,3 +174,28 @@ def test_dense_prefill_hook_per_head_equals_one_call():
     per_head.one_call_bytes = 0                        # as for a long prompt: one kv head at a time, over q
     torch.testing.assert_close(per_head.prefill_attention(q.clone(), k, v, 0, 0.1), want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(FullPolicy().prefill_attention(q, k, v, 0, 0.1), want)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "layerwise", "chunked"])
+def test_stop_mid_prefill_within_a_layer_and_nothing_poisoned(engines, prompts, mode):
+    """Stop during a prefill: the stream ends at once as cancelled; the half-computed blocks are not offered by
+    the prefix cache, so asking again computes everything and answers as a clean engine does."""
+    import threading
+    text = engines["gpu"].tokenizer.decode(prompts["several blocks"]) + f" Stop test in {mode} mode."
+    llm = engines[mode]
+    ids = llm.chat_prompt_ids(text)
+    stop, seen = threading.Event(), []
+
+    def progress(fraction, message):
+        seen.append(fraction)
+        if len(seen) == 5:
+            stop.set()
+
+    chunks = list(llm.stream(text, GREEDY, cancel=stop, progress=progress))
+    assert chunks[-1].stats.finish_reason == "cancelled" and chunks[-1].stats.completion_tokens == 0
+    assert len(seen) == 5 and seen == sorted(seen) and seen[-1] < 1.0   # stopped right after the 5th layer (chunk)
+    assert llm.block_manager.num_used == 0
+    again = llm.generate([ids], GREEDY)[0]
+    assert again.stats.cached_tokens == 0                                  # the stopped prefill left no cache entries
+    clean = _engine(engines["gpu"].model_dir, "gpu").generate([ids], GREEDY)[0]
+    assert again.token_ids == clean.token_ids
