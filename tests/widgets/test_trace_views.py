@@ -1,0 +1,227 @@
+"""The trace views on real traces of the engine (tiny default model, CPU): what the user sees in them."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from PySide6.QtCore import QPointF
+from PySide6.QtGui import QColor, QImage, QPalette
+from PySide6.QtWidgets import QFileDialog
+
+from widgets.export import add_export_actions, ask_save_path, save_png, save_svg
+from widgets.metrics_strip import MetricsStrip
+from widgets.ring_view import RingView
+from widgets.timeline_view import TimelineView
+from widgets.trace_common import KIND_COLORS, STATE_COLORS, contrast_ratio
+
+PROMPT = [list(range(1000, 1100))]
+
+
+def _trace(model_dir, mode, **kw):
+    from engine import LLM, SamplingParams
+    from engine.trace import TraceRecorder
+
+    llm = LLM(str(model_dir), device="cpu", mode=mode, kv_block_size=16, max_model_len=512, torch_threads=1, **kw)
+    rec = TraceRecorder()
+    llm.recorder = rec
+    llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    return list(rec.steps)
+
+
+@pytest.fixture(scope="module")
+def layerwise_steps(default_model_dir):
+    return _trace(default_model_dir, "layerwise", ring_slots=2)
+
+
+@pytest.fixture(scope="module")
+def gpu_steps(default_model_dir):
+    return _trace(default_model_dir, "gpu")
+
+
+def _shown(qtbot, widget, w=1000, h=320):
+    qtbot.addWidget(widget)
+    widget.resize(w, h)
+    widget.show()
+    qtbot.waitExposed(widget)
+    return widget
+
+
+def _zoom_to(view, step):
+    view.viewbox.setXRange(step.t0_us / 1e3, step.t1_us / 1e3, padding=0)
+    view.refresh_overlays()
+
+
+def _hover(view, x_ms, y):
+    """Move the mouse (as the plot's scene reports it) to a point given in view coordinates."""
+    scene_pos = view.viewbox.mapViewToScene(QPointF(x_ms, y))
+    view.plot.scene().sigMouseMoved.emit(scene_pos)
+    return view.hover_text
+
+
+# ---------------------------------------------------------------- timeline
+def test_timeline_draws_a_bar_for_every_span(qtbot, layerwise_steps):
+    view = _shown(qtbot, TimelineView())
+    view.set_steps(layerwise_steps)
+    spans = [s for step in layerwise_steps for s in step.spans]
+    assert view.bar_count() == len(spans)
+    for lane in ("compute", "h2d", "d2h", "host"):
+        assert view.bar_count(lane) == sum(s.lane == lane for s in spans)
+    assert view.bar_count("h2d") > 0 and view.bar_count("compute") > 0
+
+    text = view.summary_label.text()
+    assert re.search(r"compute \d+(\.\d)?%", text) and "overlapped by compute" in text and "exposed copy" in text
+    assert view.summary.t0_us == pytest.approx(layerwise_steps[0].t0_us)
+
+
+def test_timeline_summary_and_labels_follow_the_visible_range(qtbot, layerwise_steps):
+    view = _shown(qtbot, TimelineView())
+    view.set_steps(layerwise_steps)
+    last = layerwise_steps[-1]
+    _zoom_to(view, last)
+    assert view.summary.t0_us == pytest.approx(last.t0_us, abs=1.0)
+    assert view.summary.t1_us == pytest.approx(last.t1_us, abs=1.0)
+    assert view.summary.busy_fraction["h2d"] > 0           # a decode step of layerwise loads KV
+    assert "H2D" in view.summary_label.text() and "GB/s" in view.summary_label.text()
+    layer3 = next(s for s in last.spans if s.name == "layer 3")
+    pad = layer3.dur_us / 1e3
+    view.viewbox.setXRange(layer3.t0_us / 1e3 - pad, layer3.t1_us / 1e3 + pad, padding=0)   # a third of the width
+    view.refresh_overlays()
+    assert "layer 3" in view.visible_labels()
+
+
+def test_hovering_a_span_names_its_layer(qtbot, layerwise_steps):
+    view = _shown(qtbot, TimelineView())
+    view.set_steps(layerwise_steps)
+    last = layerwise_steps[-1]
+    _zoom_to(view, last)
+    attention = next(s for s in last.spans if s.name == "attention" and s.layer == 3)
+    text = _hover(view, (attention.t0_us + attention.t1_us) / 2e3, 0.25)   # row 0 (compute), the nested part
+    assert text.startswith("attention") and "layer 3" in text and "duration" in text
+
+    load = next(s for s in last.spans if s.lane == "h2d" and s.bytes > 0)
+    text = _hover(view, (load.t0_us + load.t1_us) / 2e3, 1.0)              # row 1 (H2D)
+    assert f"layer {load.layer}" in text and f"slot {load.slot}" in text and "GB/s" in text and "KiB" in text
+    assert _hover(view, (load.t0_us + load.t1_us) / 2e3, 2.0) == ""     # nothing on D2H in a decode step
+
+
+def test_follow_live_and_bounded_history(qtbot, layerwise_steps):
+    view = _shown(qtbot, TimelineView(max_steps=3))
+    assert view.follow and view.follow_button.isChecked()
+    for step in layerwise_steps:
+        view.append_step(step)
+    assert view.steps == layerwise_steps[-3:]
+    assert view.bar_count() == sum(len(s.spans) for s in layerwise_steps[-3:])
+    x0, x1 = view.visible_ms()
+    newest = layerwise_steps[-1]
+    assert x0 <= newest.t0_us / 1e3 and newest.t1_us / 1e3 <= x1 <= newest.t1_us / 1e3 + 0.02 * (x1 - x0)
+
+    view.viewbox.setXRange(0, 10, padding=0)       # a narrow window: following keeps its width, ends at the newest
+    view.set_follow(True)
+    assert view.visible_ms() == pytest.approx((newest.t1_us / 1e3 - 10, newest.t1_us / 1e3))
+    view.viewbox.sigRangeChangedManually.emit([True, False])   # what a pan or wheel zoom emits
+    assert not view.follow and not view.follow_button.isChecked()
+    view.clear()
+    assert view.bar_count() == 0 and view.summary_label.text() == "no steps yet"
+
+
+# ---------------------------------------------------------------- ring
+def test_ring_view_has_a_row_per_slot_and_the_latest_layers(qtbot, layerwise_steps):
+    view = _shown(qtbot, RingView())
+    view.set_steps(layerwise_steps)
+    last = {}
+    for step in layerwise_steps:
+        for rec in step.slots:
+            last[rec.slot] = rec
+    assert view.slots() == sorted(last) and view.rows == [f"slot {s}" for s in sorted(last)]
+    assert not view.showing_hint()
+    assert view.slot_layers() == {slot: rec.layer for slot, rec in last.items()}
+    assert view.table.rowCount() == len(last)
+    assert view.table_layers() == {slot: str(rec.layer) for slot, rec in last.items()}
+
+    rec = layerwise_steps[-1].slots[-1]
+    _zoom_to(view, layerwise_steps[-1])
+    text = _hover(view, rec.t_us / 1e3, view.slots().index(rec.slot))
+    assert f"slot {rec.slot}" in text and rec.state in text and f"{rec.tokens}/{rec.capacity}" in text
+
+
+def test_gpu_mode_has_no_ring_and_says_so(qtbot, gpu_steps):
+    view = _shown(qtbot, RingView())
+    view.set_steps(gpu_steps)
+    assert view.showing_hint() and view.hint_label.isVisible()
+    assert "gpu mode keeps KV on the device" in view.hint_label.text()
+    timeline = _shown(qtbot, TimelineView())
+    timeline.set_steps(gpu_steps)
+    assert timeline.bar_count("h2d") == 0 and timeline.bar_count("compute") > 0
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_strip_shows_copy_bandwidth_and_turn_stats(qtbot, layerwise_steps, gpu_steps):
+    strip = _shown(qtbot, MetricsStrip(), h=60)
+    strip.update_from_steps(layerwise_steps)
+    assert float(strip.value("h2d_gbps")) > 0
+    assert float(strip.value("decode_tok_s").replace(",", "")) > 0
+    assert strip.value("host_kv").endswith("MiB")
+    assert strip.value("gpu_mem") == "—"                      # CPU: no GPU memory figures
+    strip.set_stats({"ttft_s": 0.41, "decode_tok_s": 31.3, "prefill_tok_s": 5200.0})
+    shown = strip.value("ttft"), strip.value("decode_tok_s"), strip.value("prefill_tok_s")
+    assert shown == ("410 ms", "31.3", "5,200")
+
+    gpu = _shown(qtbot, MetricsStrip(), h=60)
+    gpu.update_from_steps(gpu_steps)
+    assert gpu.value("h2d_gbps") == "—" and gpu.value("host_kv") == "on GPU"
+
+
+# ---------------------------------------------------------------- export, menus, colours
+def test_views_export_png_and_svg(qtbot, layerwise_steps, tmp_path):
+    timeline = _shown(qtbot, TimelineView())
+    timeline.set_steps(layerwise_steps)
+    ring = _shown(qtbot, RingView())
+    ring.set_steps(layerwise_steps)
+    strip = _shown(qtbot, MetricsStrip(), h=60)
+    strip.update_from_steps(layerwise_steps)
+    for name, widget in [("timeline", timeline.plot), ("ring", ring.plot), ("metrics", strip), ("whole", timeline)]:
+        png = save_png(widget, tmp_path / f"{name}.png")
+        image = QImage(str(png))
+        assert not image.isNull() and image.width() > 0 and image.height() > 0, name
+        svg = save_svg(widget, tmp_path / f"{name}.svg")
+        assert svg.stat().st_size > 0 and "<svg" in svg.read_text(), name
+
+
+def test_export_actions_and_a_dialog_that_asks_before_overwriting(qtbot, monkeypatch):
+    timeline = _shown(qtbot, TimelineView())
+    menu_texts = [a.text() for a in timeline.viewbox.menu.actions()]
+    assert "Export PNG…" in menu_texts and "Export SVG…" in menu_texts
+    strip = _shown(qtbot, MetricsStrip(), h=60)
+    assert [a.text() for a in strip.actions()] == ["Export PNG…", "Export SVG…"]
+    plain = MetricsStrip()
+    qtbot.addWidget(plain)
+    assert len(add_export_actions(plain, "x")) == 2
+
+    seen = []
+    monkeypatch.setattr(QFileDialog, "exec", lambda self: seen.append(self) or 0)   # the user cancels
+    assert ask_save_path(timeline, "png", "timeline") is None
+    dialog = seen[0]
+    assert dialog.acceptMode() == QFileDialog.AcceptMode.AcceptSave and dialog.defaultSuffix() == "png"
+    assert not dialog.testOption(QFileDialog.Option.DontConfirmOverwrite)
+
+
+def test_colours_read_on_light_and_dark_backgrounds(qtbot):
+    for color in list(KIND_COLORS.values()) + list(STATE_COLORS.values()):
+        assert contrast_ratio(color, "#FFFFFF") >= 3 and contrast_ratio(color, "#1E1E1E") >= 3, color
+    view = _shown(qtbot, TimelineView())
+    dark = QPalette(view.palette())
+    dark.setColor(QPalette.ColorRole.Base, QColor("#1E1E1E"))
+    dark.setColor(QPalette.ColorRole.Text, QColor("#E0E0E0"))
+    view.setPalette(dark)
+    assert view.plot.backgroundBrush().color() == QColor("#1E1E1E")
+    assert view.plot.getPlotItem().getAxis("left").textPen().color() == QColor("#E0E0E0")
+
+
+def test_the_views_load_without_torch():
+    code = ("import sys, widgets.timeline_view, widgets.ring_view, widgets.metrics_strip, widgets.export; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
