@@ -77,6 +77,7 @@ class PolicyPanel(QWidget):
         self._quiet = 0               # > 0 while set_config / internal updates run: no config_changed
         self._last_emitted: dict | None = None
         self._tips: dict[QWidget, str] = {}   # each knob's own explanation, before any "disabled because"
+        self._engine_policies = set(POLICIES)  # narrowed by set_engine_policies()
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self._build_model_box())
@@ -233,8 +234,13 @@ class PolicyPanel(QWidget):
         return self.policy_combo.currentData()
 
     def policy_available(self, policy: str, mode: str | None = None) -> bool:
-        """Whether `policy` works in `mode` (default: the chosen mode)."""
-        return (mode or self.mode()) in POLICIES[policy][1]
+        """Whether `policy` works in `mode` (default: the chosen mode) and the engine has it."""
+        return (mode or self.mode()) in POLICIES[policy][1] and policy in self._engine_policies
+
+    def set_engine_policies(self, names) -> None:
+        """The policies the running engine implements (engine.POLICIES); the others are disabled and say so."""
+        self._engine_policies = set(names)
+        self._update_availability()
 
     def policy_tooltip(self, policy: str) -> str:
         """The tooltip of `policy`'s entry in the chooser (says why when it is disabled)."""
@@ -268,6 +274,8 @@ class PolicyPanel(QWidget):
         for key, (name, modes, tip, why) in POLICIES.items():
             item = model.item(self.policy_combo.findData(key))
             ok = mode in modes
+            if key not in self._engine_policies:
+                ok, why = False, f"{name} is not in this engine build yet (it arrives with the sparse policies)."
             item.setEnabled(ok)
             item.setToolTip(tip if ok else f"Not available in {mode} mode: {why}\n\n{tip}")
         self.policy_combo.setToolTip(self.policy_tooltip(self.policy()))

@@ -2,7 +2,8 @@
 
 The offload modes call a policy at fixed points: `prefill_attention` for a layer's whole prompt,
 `select_blocks` before loading a layer's host blocks at decode (when `requires_block_selection`), and
-`on_prefill_offload` / `on_decode_offload` when a full block leaves the device (its keys still there).
+`on_prefill_offload` / `on_decode_offload` when a full block leaves the device (its keys still there, as a
+head-major [Hkv, block_size, D] view of the device buffer, post-RoPE: valid until the hook returns).
 """
 from __future__ import annotations
 
