@@ -41,6 +41,14 @@ test: $(STAMP)
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# the real app on the default model: the sample question in gpu and layerwise mode (a few minutes on a CPU)
+screenshots: $(STAMP)
+	@if command -v xvfb-run >/dev/null 2>&1; then \
+	    xvfb-run -a $(PY) -m app.screenshots docs/screenshots; \
+	else \
+	    QT_QPA_PLATFORM=offscreen $(PY) -m app.screenshots docs/screenshots; \
+	fi
+
 bench: $(STAMP)
 	$(PY) -m engine.bench $(BENCH_ARGS)
 

@@ -1,4 +1,4 @@
-"""kvscope: `python main.py` runs the program; `python main.py chat --document FILE --ask "..."` is the CLI."""
+"""kvscope: `python main.py` opens the desktop app; `python main.py chat --document FILE --ask "..."` is the CLI."""
 import sys
 
 from app.cli import main

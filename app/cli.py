@@ -1,6 +1,7 @@
 """Headless command line: `python main.py chat --document FILE --ask "..."` streams the answer.
 
-`kvscope` / `python main.py` with no command runs the chat on the bundled sample document.
+`kvscope` / `python main.py` with no arguments opens the desktop app (app/gui.py); `python main.py chat` with no
+options runs the chat on the bundled sample document and its sample question.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        argv = ["chat"]
+        from app.gui import run
+        return run(sys.argv[:1])
     args = build_parser().parse_args(argv)
     if args.command != "chat":
         build_parser().print_help()

@@ -167,6 +167,18 @@ class TracePlot(QWidget):
             self.scroll_to_latest()
         self._overlay_timer.start()
 
+    def append_steps(self, steps) -> None:
+        """Add several new steps (oldest first) with ONE redraw: for a GUI timer that drains steps in batches."""
+        steps = list(steps)[-self.max_steps:]
+        if not steps:
+            return
+        for step in steps:
+            self._history.append((step, self._prepare(step)))
+        self._redraw()
+        if self._follow:
+            self.scroll_to_latest()
+        self._overlay_timer.start()
+
     def clear(self) -> None:
         self._history.clear()
         self._redraw()

@@ -1,0 +1,431 @@
+"""kvscope's main window: chat with a document in the middle, the engine's views in dock widgets around it.
+
+The window owns one `EngineWorker` on one long-lived `QThread` (DESIGN.md §3). Requests go to the worker
+through the window's own signals, connected queued to the worker's slots, so they run in the order they were
+made (a config change reloads the model before the question that follows it). Answers come back as signals;
+engine steps are drained by a ~30 Hz timer and drawn once per tick. Stop is the worker's thread-safe `stop()`.
+
+    win = MainWindow(config={"settings_path": "/tmp/kvscope.ini", "document": "notes.md",
+                             "engine": {"max_model_len": 2048}, "max_new_tokens": 64})
+
+`config` keys (all optional): settings_path (an INI file instead of the user's kvscope settings), engine (extra
+LLM keyword arguments under the policy panel's, e.g. model, device, max_model_len), document (opened on start
+instead of the last one / the bundled sample), max_new_tokens, restore (window layout from the settings,
+default True), autostart (load the model and open the document now, default True).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import deque
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QThread, QTimer, Signal, Slot
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox, QWidget
+
+from app.bundle import bundle_folder, write_bundle
+from app.cli import SAMPLE
+from app.status import StatusBar
+from app.worker import EngineWorker
+from widgets.chat_view import ChatView
+from widgets.document_panel import SUPPORTED_SUFFIXES, DocumentPanel
+from widgets.metrics_strip import MetricsStrip
+from widgets.policy_panel import POLICIES, PolicyPanel
+from widgets.ring_view import RingView
+from widgets.timeline_view import TimelineView
+
+TICK_MS = 33            # telemetry drain: ~30 Hz
+CLOSE_WAIT_MS = 30000   # closing waits this long for the worker (a model load cannot be interrupted)
+DOCS = (("document", "Document", Qt.DockWidgetArea.LeftDockWidgetArea),
+        ("policy", "Policy", Qt.DockWidgetArea.RightDockWidgetArea),
+        ("metrics", "Metrics", Qt.DockWidgetArea.BottomDockWidgetArea),
+        ("timeline", "Timeline", Qt.DockWidgetArea.BottomDockWidgetArea),
+        ("ring", "Ring buffer", Qt.DockWidgetArea.BottomDockWidgetArea))
+
+
+def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
+    """The LLM keyword arguments the worker gets (and keeps as `engine_config`) for a policy panel config."""
+    return {**(overrides or {}), **{k: v for k, v in panel_config.items() if k not in ("policy", "policy_params")}}
+
+
+class MainWindow(QMainWindow):
+    """The app window. Public for tests and tools: `chat`, `document_panel`, `policy_panel`, `timeline`, `ring`,
+    `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`, `model_info` (the
+    latest model_ready dict), `is_busy()`, `send(question)`, `stop()`, `export_bundle(folder)`, `shutdown()`."""
+
+    request_load = Signal(dict)
+    request_open = Signal(str)
+    request_ask = Signal(str, dict, str)
+    request_new_chat = Signal()
+
+    def __init__(self, config: dict | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.options = dict(config or {})
+        self.engine_overrides = dict(self.options.get("engine") or {})
+        path = self.options.get("settings_path")
+        self.settings = (QSettings(str(path), QSettings.Format.IniFormat) if path
+                         else QSettings("kvscope", "kvscope"))
+        self.model_info: dict = {}
+        self.document_info: dict = {}
+        self._pending: deque[str] = deque()   # kinds of the requests sent and not finished: "load" "open" "ask"
+        self._head_started = False            # the oldest pending request has begun (busy(True) seen)
+        self._stop_when_started = False       # Stop pressed before the pending question began
+        self._recent: deque = deque(maxlen=64)   # steps for the metrics strip
+        self._last_step = -1                     # number of the newest step drawn
+        self._closed = False
+        self.setWindowTitle("kvscope")
+        self.resize(1400, 900)
+        self._build_views()
+        self._build_menus()
+        self._default_state = self.saveState()
+        self._start_worker()
+        self.timer = QTimer(self, interval=TICK_MS)
+        self.timer.timeout.connect(self._tick)
+        self.timer.start()
+        self._restore_settings()
+        if self.options.get("autostart", True):
+            self._request("load", self.request_load, self._engine_config())
+            self._request("open", self.request_open, str(self._initial_document()))
+
+    # ------------------------------------------------------------------ building
+    def _build_views(self) -> None:
+        self.chat = ChatView()
+        self.setCentralWidget(self.chat)
+        self.document_panel = DocumentPanel()
+        self.policy_panel = PolicyPanel()
+        self.metrics = MetricsStrip()
+        self.timeline = TimelineView()
+        self.ring = RingView()
+        views = {"document": self.document_panel, "policy": self.policy_panel, "metrics": self.metrics,
+                 "timeline": self.timeline, "ring": self.ring}
+        self.docks: dict[str, QDockWidget] = {}
+        for name, title, area in DOCS:
+            dock = QDockWidget(title, self)
+            dock.setObjectName(f"dock_{name}")     # saveState/restoreState find docks by name
+            dock.setWidget(views[name])
+            self.addDockWidget(area, dock)
+            self.docks[name] = dock
+        # bottom: the metrics row over the timeline and the ring, side by side
+        self.splitDockWidget(self.docks["metrics"], self.docks["timeline"], Qt.Orientation.Vertical)
+        self.splitDockWidget(self.docks["timeline"], self.docks["ring"], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["document"], self.docks["policy"]], [380, 330], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["timeline"], self.docks["ring"]], [700, 420], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["metrics"], self.docks["timeline"]], [50, 300], Qt.Orientation.Vertical)
+        self.status = StatusBar()
+        self.setStatusBar(self.status)
+        self.status.set_policy(POLICIES[self.policy_panel.policy()][0])
+        self.setAcceptDrops(True)
+
+        self.chat.send_requested.connect(self.send)
+        self.chat.stop_requested.connect(self.stop)
+        self.document_panel.open_requested.connect(self.open_document_dialog)
+        self.document_panel.file_dropped.connect(self.open_document)
+        self.policy_panel.config_changed.connect(lambda cfg: self.status.set_policy(POLICIES[cfg["policy"]][0]))
+        self.policy_panel.model_folder_chosen.connect(self._on_model_folder)
+
+    def _build_menus(self) -> None:
+        def action(menu, text, slot, shortcut=None) -> QAction:
+            act = menu.addAction(text)
+            act.triggered.connect(slot)
+            if shortcut is not None:
+                act.setShortcut(QKeySequence(shortcut))
+            return act
+
+        file_menu = self.menuBar().addMenu("&File")
+        action(file_menu, "&Open document…", self.open_document_dialog, QKeySequence.StandardKey.Open)
+        action(file_menu, "&New chat", self.new_chat, QKeySequence.StandardKey.New)
+        file_menu.addSeparator()
+        action(file_menu, "Export &chat…", self.export_chat_dialog)
+        action(file_menu, "Export &bundle…", self.export_bundle_dialog)
+        file_menu.addSeparator()
+        action(file_menu, "&Quit", self.close, "Ctrl+Q")
+        view_menu = self.menuBar().addMenu("&View")
+        for dock in self.docks.values():
+            view_menu.addAction(dock.toggleViewAction())
+        view_menu.addSeparator()
+        action(view_menu, "&Reset layout", self.reset_layout)
+        help_menu = self.menuBar().addMenu("&Help")
+        action(help_menu, "&About kvscope", self._about)
+        self.stop_action = QAction("Stop the answer", self, shortcut=QKeySequence(Qt.Key.Key_Escape))
+        self.stop_action.triggered.connect(self._escape)
+        self.addAction(self.stop_action)      # Esc anywhere in the window (the chat's own Esc works too)
+
+    def _start_worker(self) -> None:
+        self.thread = QThread(self)
+        self.thread.setObjectName("kvscope-engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        queued = Qt.ConnectionType.QueuedConnection
+        self.request_load.connect(self.worker.load_model, queued)
+        self.request_open.connect(self.worker.open_document, queued)
+        self.request_ask.connect(self.worker.ask, queued)
+        self.request_new_chat.connect(self.worker.new_chat, queued)
+        w = self.worker
+        w.model_progress.connect(self._on_model_progress)
+        w.model_ready.connect(self._on_model_ready)
+        w.document_ready.connect(self._on_document_ready)
+        w.prefill_progress.connect(self._on_prefill_progress)
+        w.answer_text.connect(self._on_answer_text)
+        w.answer_done.connect(self._on_answer_done)
+        w.error.connect(self._on_error)
+        w.busy.connect(self._on_busy)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ settings
+    def _restore_settings(self) -> None:
+        if self.options.get("max_new_tokens"):
+            self.chat.set_sampling({"max_tokens": int(self.options["max_new_tokens"])})
+        if not self.options.get("restore", True):
+            return
+        geometry, state = self.settings.value("geometry"), self.settings.value("windowState")
+        if isinstance(geometry, QByteArray):
+            self.restoreGeometry(geometry)
+        if isinstance(state, QByteArray):
+            self.restoreState(state)
+        try:
+            panel = json.loads(self.settings.value("policy", "") or "{}")
+        except (TypeError, ValueError):
+            panel = {}
+        if panel:
+            self.policy_panel.set_config(panel)
+            self.status.set_policy(POLICIES[self.policy_panel.policy()][0])
+
+    def _save_settings(self) -> None:
+        self.settings.setValue("geometry", self.saveGeometry())
+        self.settings.setValue("windowState", self.saveState())
+        self.settings.setValue("policy", json.dumps(self.policy_panel.config()))
+        self.settings.sync()
+
+    def _initial_document(self) -> Path:
+        if self.options.get("document"):
+            return Path(self.options["document"])
+        last = self.settings.value("document", "")
+        return Path(last) if last and Path(last).is_file() else SAMPLE
+
+    def reset_layout(self) -> None:
+        """Every dock back where it started, and shown."""
+        self.restoreState(self._default_state)
+        for dock in self.docks.values():
+            dock.show()
+
+    # ------------------------------------------------------------------ requests
+    def _engine_config(self) -> dict:
+        return engine_kwargs(self.policy_panel.config(), self.engine_overrides)
+
+    def _request(self, kind: str, signal, *args) -> None:
+        self._pending.append(kind)
+        signal.emit(*args)
+
+    @Slot(str)
+    def send(self, question: str) -> None:
+        """Ask `question` (ChatView has shown it already); a changed engine config reloads the model first."""
+        config = self._engine_config()
+        if config != self.worker.engine_config:
+            self._request("load", self.request_load, config)
+        self._request("ask", self.request_ask, question, self.chat.sampling(), self.chat.system_prompt())
+        self.chat.begin_answer()
+
+    @Slot()
+    def stop(self) -> None:
+        """Stop the streaming answer within one layer (or, if it has not begun yet, as soon as it does)."""
+        self.worker.stop()
+        if "ask" in self._pending and not (self._pending[0] == "ask" and self._head_started):
+            self._stop_when_started = True
+
+    def _escape(self) -> None:
+        if self.chat.is_streaming() and self.chat.send_button.isEnabled():
+            self.chat.send_button.click()    # the chat's Stop button: shows "Stopping…" and emits stop_requested
+
+    def open_document(self, path: str) -> None:
+        self._request("open", self.request_open, str(path))
+
+    def open_document_dialog(self) -> None:
+        start = self.document_info.get("path") or str(Path.home())
+        patterns = " ".join(f"*{s}" for s in SUPPORTED_SUFFIXES)
+        path, _ = QFileDialog.getOpenFileName(self, "Open a document", start, f"Documents ({patterns});;All files (*)")
+        if path:
+            self.open_document(path)
+
+    def new_chat(self) -> None:
+        if self.chat.is_streaming():
+            return
+        self.chat.new_chat()
+        self.request_new_chat.emit()      # no busy/finish signals follow: not tracked in _pending
+
+    def _on_model_folder(self, folder: str) -> None:
+        self.engine_overrides["model"] = folder
+        self.policy_panel.set_model_label(Path(folder).name)
+        self._request("load", self.request_load, self._engine_config())
+
+    def is_busy(self) -> bool:
+        """Whether any request is queued or running in the worker."""
+        return bool(self._pending)
+
+    # ------------------------------------------------------------------ worker signals
+    def _finish_head(self) -> str | None:
+        self._head_started = False
+        kind = self._pending.popleft() if self._pending else None
+        if kind == "ask":
+            self._stop_when_started = False
+        return kind
+
+    @Slot(bool)
+    def _on_busy(self, busy: bool) -> None:
+        if busy:
+            self._head_started = True
+            head = self._pending[0] if self._pending else None
+            if head == "ask" and self._stop_when_started:
+                self._stop_when_started = False
+                self.worker.stop()
+            self.policy_panel.set_busy(head == "ask")
+        else:
+            self._finish_head()
+            self.policy_panel.set_busy(False)
+            self.status.hide_progress()
+
+    @Slot(float, str)
+    def _on_model_progress(self, fraction: float, message: str) -> None:
+        self.policy_panel.set_load_progress(fraction, message)
+        self.status.show_progress("model", fraction, message)
+
+    @Slot(dict)
+    def _on_model_ready(self, info: dict) -> None:
+        self.model_info = dict(info)
+        self.status.set_model(info)
+        self.ring.set_mode(info.get("mode"))
+        self.policy_panel.set_engine_policies(info.get("policies") or ["full"])
+        self.policy_panel.set_model_label(info.get("name", ""))
+        self.policy_panel.set_load_progress(1.0, info.get("plan") or f"{info.get('name')} on {info.get('device')}")
+        self._show_context(self.document_panel.token_count())
+
+    @Slot(dict)
+    def _on_document_ready(self, info: dict) -> None:
+        self.document_info = dict(info)
+        self.document_panel.set_document(info["name"], info["text"], info["tokens"])
+        self._show_context(info["tokens"])
+        self.settings.setValue("document", info["path"])
+        self.setWindowTitle(f"{info['name']} — kvscope")
+
+    def _show_context(self, used: int) -> None:
+        if self.document_info.get("limit"):
+            self.document_panel.set_context(used, self.document_info["limit"], self.model_info.get("mode", ""))
+
+    @Slot(float, str)
+    def _on_prefill_progress(self, fraction: float, message: str) -> None:
+        self.status.show_progress("prefill", fraction, message)
+
+    @Slot(str)
+    def _on_answer_text(self, text: str) -> None:
+        self.status.hide_progress()
+        self.chat.append_text(text)
+
+    @Slot(dict)
+    def _on_answer_done(self, stats: dict) -> None:
+        self.chat.end_answer(stats)
+        self.metrics.set_stats(stats)
+        self._show_context(int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
+
+    @Slot(str)
+    def _on_error(self, message: str) -> None:
+        head = self._pending[0] if self._pending else "ask"
+        if head == "ask" and not self._head_started:   # refused before it began: no busy signals follow
+            self._finish_head()
+        if head == "open":
+            self.document_panel.show_error(message)
+        else:
+            self.chat.show_error(message)
+        if head == "load":
+            self.policy_panel.set_load_progress(1.0, message)
+        self.status.showMessage(message, 10000)
+
+    # ------------------------------------------------------------------ telemetry
+    def _tick(self) -> None:
+        """Drain the steps the engine recorded since the last tick and redraw each view once.
+
+        A reloaded engine's recorder counts steps from 0 again on its own clock: from its first step on, the views
+        start over (the old engine's steps drained before it are dropped with them)."""
+        steps = self.worker.drain()
+        if not steps:
+            return
+        numbers = [self._last_step] + [s.step for s in steps]
+        restart = max((i for i in range(len(steps)) if numbers[i + 1] <= numbers[i]), default=None)
+        if restart is not None:
+            steps = steps[restart:]
+            for view in (self.timeline, self.ring):
+                view.clear()
+            self._recent.clear()
+            self.metrics.clear()
+        self._last_step = steps[-1].step
+        self._recent.extend(steps)
+        self.timeline.append_steps(steps)
+        self.ring.append_steps(steps)
+        self.metrics.update_from_steps(self._recent)
+        offload = self.model_info.get("mode", "gpu") != "gpu"
+        for step in reversed(steps):
+            if step.metrics:
+                self.status.set_memory(step.metrics, offload)
+                break
+
+    # ------------------------------------------------------------------ export
+    def export_chat_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(Path.home() / "chat.md"),
+                                              "Markdown (*.md);;JSON (*.json)")
+        if path:
+            try:
+                self.chat.save(path, self.describe())
+                self.status.showMessage(f"chat saved to {path}", 5000)
+            except (OSError, ValueError) as e:
+                QMessageBox.warning(self, "Export failed", str(e))
+
+    def export_bundle_dialog(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Export bundle into a folder", str(Path.home()))
+        if folder:
+            try:
+                out = self.export_bundle(Path(folder))
+                self.status.showMessage(f"bundle written to {out}", 8000)
+            except OSError as e:
+                QMessageBox.warning(self, "Export failed", str(e))
+
+    def describe(self) -> dict:
+        """What the session runs: the panel's config, the engine's, the model, the document and the sampling."""
+        doc = {k: v for k, v in self.document_info.items() if k != "text"}
+        return {"panel": self.policy_panel.config(), "engine": dict(self.worker.engine_config),
+                "model": dict(self.model_info), "document": doc, "sampling": self.chat.sampling(),
+                "system_prompt": self.chat.system_prompt()}
+
+    def export_bundle(self, folder: Path) -> Path:
+        """Write window.png, timeline/ring/metrics/chat PNGs, trace.json (the last turn), chat.md, chat.json and
+        config.json into `folder`, or into a new timestamped subfolder when `folder` is not empty; returns it."""
+        out = bundle_folder(Path(folder))
+        steps = None if "ask" in self._pending else list(self.worker.turn_steps)   # never read while it changes
+        views = {"timeline": self.timeline, "ring": self.ring, "metrics": self.metrics, "chat": self.chat}
+        write_bundle(out, self.grab(), views, self.chat, steps, self.describe())
+        return out
+
+    # ------------------------------------------------------------------ help, drops, closing
+    def _about(self) -> None:
+        QMessageBox.about(self, "About kvscope", "<b>kvscope</b><p>Chat with a long document on kvscope's own "
+                          "engine and watch it work: the stream timeline, the ring buffer and the metrics show "
+                          "what each step computed and copied.</p><p>Apache-2.0</p>")
+
+    def dragEnterEvent(self, event) -> None:
+        self.document_panel.dragEnterEvent(event)
+
+    def dropEvent(self, event) -> None:
+        self.document_panel.dropEvent(event)
+
+    def shutdown(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
+        """Stop any answer, end the worker's thread and wait for it (bounded); True when the thread finished."""
+        self.timer.stop()
+        self.worker.stop()
+        self.thread.quit()                    # requests still queued are dropped
+        return self.thread.wait(timeout_ms)
+
+    def closeEvent(self, event) -> None:
+        if not self._closed:
+            self._closed = True
+            self._save_settings()
+            if not self.shutdown():
+                print("kvscope: the engine thread did not stop in time", file=sys.stderr)
+        super().closeEvent(event)

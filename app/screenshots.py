@@ -1,0 +1,105 @@
+"""Screenshots of the real app: `python -m app.screenshots OUTDIR` (`make screenshots` writes docs/screenshots/).
+
+Runs the main window on the real engine and the default model (offscreen or under Xvfb), opens the bundled sample
+document, asks the sample question once in gpu mode and once in layerwise mode, and saves the whole window after
+each answer as OUTDIR/window-gpu.png and OUTDIR/window-layerwise.png. The user's settings are not touched.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def wait_until(app, condition, timeout_s: float, what: str) -> None:
+    """Run the event loop until `condition()` holds (checked every 50 ms); TimeoutError after `timeout_s`."""
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    loop = QEventLoop()
+    deadline = time.monotonic() + timeout_s
+    result = {"ok": False}
+
+    def check() -> None:
+        if condition():
+            result["ok"] = True
+            loop.quit()
+        elif time.monotonic() > deadline:
+            loop.quit()
+
+    timer = QTimer(interval=50)
+    timer.timeout.connect(check)
+    timer.start()
+    check()
+    if not result["ok"]:
+        loop.exec()
+    timer.stop()
+    if not result["ok"]:
+        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def settle(app, seconds: float) -> None:
+    """Let timers and repaints run for a moment (the telemetry drain, the throttled Markdown render)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        app.processEvents()
+        time.sleep(0.02)
+
+
+def ask_and_wait(app, window, question: str, timeout_s: float) -> dict:
+    """Type `question` into the chat, send it, and wait for the answer to finish; returns its stats."""
+    window.chat.input.setPlainText(question)
+    window.chat.send_button.click()
+    wait_until(app, lambda: not window.chat.is_streaming() and not window.is_busy(), timeout_s, "the answer")
+    settle(app, 0.5)
+    last = window.chat.messages()[-1]
+    if last["role"] != "assistant":
+        raise RuntimeError(f"the turn failed: {last['text']}")
+    for view in (window.timeline, window.ring):
+        view.fit()
+    settle(app, 0.3)
+    return last["stats"] or {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m app.screenshots", description=__doc__.splitlines()[0])
+    p.add_argument("outdir", type=Path)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each step")
+    p.add_argument("--size", default="1600x1000", help="window size WxH")
+    args = p.parse_args(argv)
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.cli import SAMPLE, SAMPLE_QUESTION
+    from app.main_window import MainWindow
+
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName("kvscope")
+    with tempfile.TemporaryDirectory() as tmp:
+        window = MainWindow({"settings_path": str(Path(tmp) / "kvscope.ini"), "document": str(SAMPLE),
+                             "max_new_tokens": args.max_new_tokens, "restore": False})
+        width, height = (int(v) for v in args.size.lower().split("x"))
+        window.resize(width, height)
+        window.show()
+        try:
+            wait_until(app, lambda: window.model_info and window.document_info and not window.is_busy(),
+                       args.timeout, "the model and the document")
+            for mode in ("gpu", "layerwise"):
+                panel = window.policy_panel
+                panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(mode))
+                stats = ask_and_wait(app, window, SAMPLE_QUESTION, args.timeout)
+                path = args.outdir / f"window-{mode}.png"
+                if not window.grab().save(str(path), "PNG"):
+                    raise OSError(f"could not write {path}")
+                print(f"{path}: {mode}, prompt {stats.get('prompt_tokens')} tok, TTFT {stats.get('ttft_s', 0):.2f} s, "
+                      f"finish {stats.get('finish_reason')}", flush=True)
+        finally:
+            window.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

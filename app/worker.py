@@ -1,0 +1,157 @@
+"""EngineWorker: the one QObject that owns the LLM, living on its own long-lived QThread (DESIGN.md §3).
+
+Requests come in as queued signals (connect the window's signals to `load_model`, `open_document`, `ask`);
+results go out as signals. Stop is not a queued request (the worker's event loop is busy while it answers):
+`stop()` sets a thread-safe flag that the engine checks after every layer. Telemetry is not one signal per
+span either: every finished engine step is appended to a bounded deque, which the window drains on a timer.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from app.documents import Document, load_document
+from app.prompt import document_messages
+from engine.errors import KVScopeError
+
+
+class EngineWorker(QObject):
+    model_progress = Signal(float, str)   # loading the model
+    model_ready = Signal(dict)            # name, device, dtype, mode, max_model_len, plan, policies
+    document_ready = Signal(dict)         # name, path, text, tokens, limit
+    prefill_progress = Signal(float, str)
+    answer_text = Signal(str)             # a piece of the answer
+    answer_done = Signal(dict)            # GenerationStats as a dict
+    error = Signal(str)                   # a readable message (never a traceback)
+    busy = Signal(bool)
+
+    def __init__(self, max_steps: int = 2048):
+        super().__init__()
+        self.llm = None
+        self.engine_config: dict = {}
+        self.document: Document | None = None
+        self.history: list[dict] = []
+        self.telemetry: deque = deque(maxlen=max_steps)   # StepTraces, drained by the GUI
+        self.turn_steps: list = []                         # the last turn's StepTraces (export)
+        self._cancel = threading.Event()
+
+    # ---------------------------------------------------------------- called from the GUI thread
+    def stop(self) -> None:
+        """Thread-safe: the running answer (or prefill) stops after the current layer."""
+        self._cancel.set()
+
+    def drain(self) -> list:
+        """Thread-safe: the engine steps recorded since the last call."""
+        out = []
+        while self.telemetry:
+            out.append(self.telemetry.popleft())
+        return out
+
+    # ---------------------------------------------------------------- slots (worker thread)
+    @Slot(dict)
+    def load_model(self, config: dict) -> None:
+        """(Re)build the engine with `config` (LLM keyword arguments; `model` None = the default model)."""
+        config = {k: v for k, v in config.items() if k not in ("policy", "policy_params")}
+        self.busy.emit(True)
+        try:
+            self._build(config)
+        except KVScopeError as e:
+            self.error.emit(str(e))
+        except Exception as e:  # noqa: BLE001 - shown in the window, never a traceback
+            self.error.emit(f"could not load the model: {type(e).__name__}: {e}")
+        finally:
+            self.busy.emit(False)
+
+    def _build(self, config: dict) -> None:
+        from engine import LLM, POLICIES
+        from engine.trace import TraceRecorder
+        if self.llm is not None and config == self.engine_config:
+            return
+        old, self.llm = self.llm, None
+        if old is not None:
+            del old
+            gc.collect()
+        llm = LLM(progress=self.model_progress.emit, **config)
+        llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append)
+        self.llm, self.engine_config = llm, dict(config)
+        self.history = []
+        self.model_ready.emit({"name": llm.model_name, "device": str(llm.device),
+                               "dtype": str(llm.dtype).removeprefix("torch."), "mode": llm.config.mode,
+                               "max_model_len": llm.max_model_len, "policies": list(POLICIES),
+                               "plan": llm.plan.describe() if llm.plan is not None else ""})
+        if self.document is not None:
+            self._announce(self.document)
+
+    @Slot(str)
+    def open_document(self, path: str) -> None:
+        """Parse and measure a document; one too long for the context is refused and the old one kept."""
+        self.busy.emit(True)
+        try:
+            doc = load_document(Path(path))
+            self._announce(doc)
+        except KVScopeError as e:
+            self.error.emit(str(e))
+        except Exception as e:  # noqa: BLE001
+            self.error.emit(f"could not open {path}: {type(e).__name__}: {e}")
+        finally:
+            self.busy.emit(False)
+
+    def _announce(self, doc: Document) -> None:
+        tokens = limit = 0
+        if self.llm is not None:
+            tokens = len(self.llm.chat_prompt_ids(document_messages(doc.text, "", doc.name)))
+            limit = min(self.llm.max_model_len, self.llm.kv_capacity_tokens)
+            if tokens >= limit:
+                raise KVScopeError(f"{doc.name} is {tokens:,} tokens with the prompt around it, but the context "
+                                   f"holds {limit:,}: open a shorter document (or a part of it), or a model "
+                                   "with a longer context")
+        if self.document is None or doc.text != self.document.text:
+            self.history = []
+        self.document = doc
+        self.document_ready.emit({"name": doc.name, "path": str(doc.path), "text": doc.text, "tokens": tokens,
+                                  "limit": limit})
+
+    @Slot()
+    def new_chat(self) -> None:
+        self.history = []
+
+    @Slot(str, dict, str)
+    def ask(self, question: str, sampling: dict, system: str) -> None:
+        """Answer `question` about the open document (with the chat so far), streaming the text."""
+        from engine import SamplingParams
+        self._cancel.clear()
+        if self.llm is None or self.document is None:
+            self.error.emit("no model or no document yet: wait for the model to load and open a document")
+            return
+        self.busy.emit(True)
+        llm, doc = self.llm, self.document
+        messages = document_messages(doc.text, question, doc.name, system or None, self.history)
+        answer, stats = [], None
+        rec = llm.recorder
+        first_step = rec.steps[-1].step + 1 if rec.steps else 0
+        try:
+            params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+            for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self.prefill_progress.emit):
+                if chunk.stats is not None:
+                    stats = chunk.stats
+                elif chunk.text:
+                    answer.append(chunk.text)
+                    self.answer_text.emit(chunk.text)
+        except KVScopeError as e:
+            self.error.emit(str(e))
+        except Exception as e:  # noqa: BLE001
+            self.error.emit(f"the engine failed: {type(e).__name__}: {e}")
+        finally:
+            self.turn_steps = [s for s in list(rec.steps) if s.step >= first_step]
+            self.busy.emit(False)
+        if stats is not None:
+            if stats.finish_reason != "cancelled":
+                self.history += [{"role": "user", "content": question}, {"role": "assistant", "content": "".join(answer)}]
+            d = stats.to_dict()
+            d["t_done"] = time.time()
+            self.answer_done.emit(d)

@@ -1,0 +1,179 @@
+"""The main window on the real engine (the default model, no mocks), offscreen: load, ask, watch, stop, export, close.
+
+One window serves the tests of this module in order (loading a model takes seconds on a CPU); the last test makes
+its own window to close it mid-answer. The settings go to an INI file in tmp, never to the user's.
+"""
+import json
+import time
+
+import pytest
+from PySide6.QtCore import QSettings, Qt
+
+from app.main_window import MainWindow, engine_kwargs
+from app.status import EtaEstimator, format_eta
+from engine.trace import H2D, check_chrome_trace
+
+WORDS = ("Notes from the planning group. The quarterly review covers the storage migration, the new build farm "
+         "and the hiring plan for the inference team. The storage migration moved four petabytes of archive data "
+         "to the new object store without downtime; the remaining work is to retire the old tape library and to "
+         "update the runbooks. The build farm now has forty machines and runs every test on every change. ")
+DOC_TEXT = ("# Planning notes\n\n" + WORDS * 2 + "\n\n## The meeting\n\nThe meeting is in Bergen. Everyone meets "
+            "in Bergen on Tuesday at ten, in the harbour office, to agree on the plan.\n\n" + WORDS + "\n")
+QUESTION = "In which city is the meeting?"
+LONG_QUESTION = "Write a very long story about a lighthouse keeper, with many chapters and details."
+TURN_MS = 180_000
+
+
+def make_window(tmp_path, doc, model_dir, **options) -> MainWindow:
+    config = {"settings_path": str(tmp_path / "kvscope.ini"), "document": str(doc), "restore": False,
+              "engine": {"model": str(model_dir), "max_model_len": 2048}, "max_new_tokens": 24, **options}
+    win = MainWindow(config)
+    win.resize(1300, 850)
+    win.show()
+    return win
+
+
+def wait_ready(qtbot, win, model_dir) -> None:
+    qtbot.waitUntil(lambda: model_dir.name in win.status.model_label.text() and bool(win.document_info)
+                    and not win.is_busy(), timeout=TURN_MS)
+
+
+def ask(qtbot, win, question: str) -> dict:
+    """Send `question` as a user would (type, click Send) and wait until its answer has finished."""
+    n = len(win.chat.messages())
+    win.chat.input.setPlainText(question)
+    qtbot.mouseClick(win.chat.send_button, Qt.MouseButton.LeftButton)
+    assert win.chat.messages()[n] == {"role": "user", "text": question, "stats": None}
+    qtbot.waitUntil(lambda: len(win.chat.messages()) >= n + 2 and not win.chat.is_streaming()
+                    and not win.is_busy(), timeout=TURN_MS)
+    return win.chat.messages()[-1]
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("doc") / "planning.md"
+    path.write_text(DOC_TEXT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def window(qapp, doc, tmp_path_factory, default_model_dir):
+    win = make_window(tmp_path_factory.mktemp("settings"), doc, default_model_dir)
+    yield win
+    win.close()
+    assert win.thread.isFinished()
+
+
+def test_eta_from_the_progress_rate():
+    eta = EtaEstimator()
+    assert eta.update("prefill", 0.1, now=100.0) is None          # the first report only starts the clock
+    assert eta.update("prefill", 0.3, now=102.0) == pytest.approx(7.0)   # 0.2 in 2 s: 0.7 left takes 7 s
+    assert eta.update("prefill", 0.05, now=103.0) is None         # went back: the next task
+    assert eta.update("model", 0.5, now=104.0) is None            # another task
+    assert format_eta(7.2) == "7 s" and format_eta(95) == "1 min 35 s" and format_eta(None) == ""
+
+
+def test_window_opens_and_loads_the_model(window, qtbot, default_model_dir, doc):
+    wait_ready(qtbot, window, default_model_dir)
+    assert window.status.model_label.text() == f"model: {default_model_dir.name}"
+    assert window.status.mode_label.text() == "mode: gpu"
+    assert window.status.policy_label.text() == "policy: Full"
+    assert window.document_panel.document_name() == doc.name and window.document_panel.token_count() > 200
+    assert "/ 2,048 tokens" in window.document_panel.context_text()
+    assert window.worker.engine_config == engine_kwargs(window.policy_panel.config(), window.engine_overrides)
+    assert {d.windowTitle() for d in window.docks.values()} == {"Document", "Policy", "Timeline", "Ring buffer",
+                                                                 "Metrics"}
+    menus = {a.text().replace("&", ""): a.menu() for a in window.menuBar().actions()}
+    assert set(menus) == {"File", "View", "Help"}
+    view_items = [a.text().replace("&", "") for a in menus["View"].actions()]
+    assert "Timeline" in view_items and "Reset layout" in view_items
+    window.docks["timeline"].close()
+    assert not window.docks["timeline"].isVisible()
+    window.reset_layout()
+    assert window.docks["timeline"].isVisible()
+
+
+def test_answer_streams_into_the_chat_with_stats(window, qtbot):
+    answer = ask(qtbot, window, QUESTION)
+    assert answer["role"] == "assistant" and "Bergen" in answer["text"]
+    assert "Bergen" in window.chat.message_widget(-1).body.toPlainText()
+    stats_line = window.chat.message_widget(-1).stats_label.text()
+    assert "prompt" in stats_line and "TTFT" in stats_line
+    assert answer["stats"]["prompt_tokens"] > 200 and answer["stats"]["finish_reason"] in ("stop", "length")
+
+
+def test_views_hold_the_turn(window, qtbot):
+    qtbot.waitUntil(lambda: window.timeline.bar_count() > 0, timeout=5000)
+    assert window.metrics.value("decode_tok_s") != "—" and window.metrics.value("ttft") != "—"
+    assert window.ring.showing_hint()                                 # gpu mode: no ring
+    assert "KV" in window.status.memory_label.text() and "—" not in window.status.memory_label.text()
+    assert window.worker.turn_steps and not window.status.progress.isVisible()
+
+
+def test_layerwise_mode_shows_copies_and_ring_slots(window, qtbot):
+    panel = window.policy_panel
+    panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
+    answer = ask(qtbot, window, QUESTION)
+    assert answer["role"] == "assistant" and "Bergen" in answer["text"]
+    assert window.worker.engine_config["mode"] == "layerwise"
+    assert window.status.mode_label.text() == "mode: layerwise"
+    qtbot.waitUntil(lambda: window.timeline.bar_count(H2D) > 0 and bool(window.ring.slots()), timeout=5000)
+    assert not window.ring.showing_hint()
+    assert "host" in window.document_panel.kv_label.text()
+
+
+def test_stop_ends_a_long_answer_quickly_and_the_window_stays_usable(window, qtbot):
+    window.chat.set_sampling({"max_tokens": 1500})
+    n = len(window.chat.messages())
+    window.chat.input.setPlainText(LONG_QUESTION)
+    qtbot.mouseClick(window.chat.send_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(window.chat.messages()) > n + 1 and len(window.chat.messages()[-1]["text"]) > 20,
+                    timeout=TURN_MS)
+    t0 = time.monotonic()
+    qtbot.keyClick(window.chat.input, Qt.Key.Key_Escape)               # Esc = Stop
+    qtbot.waitUntil(lambda: not window.chat.is_streaming() and not window.is_busy(), timeout=20_000)
+    assert time.monotonic() - t0 < 10
+    assert window.chat.messages()[-1]["stats"]["finish_reason"] == "cancelled"
+    assert window.chat.send_button.text() == "Send" and window.chat.send_button.isEnabled()
+    window.chat.set_sampling({"max_tokens": 24})
+    answer = ask(qtbot, window, QUESTION)
+    assert answer["role"] == "assistant" and answer["stats"]["finish_reason"] != "cancelled"
+
+
+def test_export_bundle(window, tmp_path):
+    out = window.export_bundle(tmp_path / "bundle")
+    assert out == tmp_path / "bundle"
+    for name in ("window.png", "timeline.png", "ring.png", "metrics.png", "chat.png", "trace.json", "chat.md",
+                 "chat.json", "config.json"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    trace = json.loads((out / "trace.json").read_text())
+    assert check_chrome_trace(trace) == []
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["engine"]["mode"] == "layerwise" and config["problems"] == []
+    assert QUESTION in (out / "chat.md").read_text()
+    before = (out / "chat.md").read_bytes()
+    again = window.export_bundle(tmp_path / "bundle")                  # not empty now: a new subfolder
+    assert again.parent == out and (again / "window.png").is_file() and (out / "chat.md").read_bytes() == before
+
+
+def test_a_bad_document_shows_its_error_in_the_document_panel(window, qtbot, tmp_path, doc):
+    bad = tmp_path / "empty.txt"
+    bad.write_text("   \n")
+    window.open_document(str(bad))
+    qtbot.waitUntil(lambda: "empty" in window.document_panel.message() and not window.is_busy(), timeout=30_000)
+    assert window.document_panel.document_name() == doc.name          # the open document stays
+    assert window.chat.messages()[-1]["role"] == "assistant"          # nothing in the chat
+
+
+def test_closing_mid_answer_exits_cleanly(qapp, qtbot, tmp_path, doc, default_model_dir):
+    win = make_window(tmp_path, doc, default_model_dir, max_new_tokens=1500)
+    wait_ready(qtbot, win, default_model_dir)
+    win.chat.input.setPlainText(LONG_QUESTION)
+    qtbot.mouseClick(win.chat.send_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(win.chat.messages()) > 1 and bool(win.chat.messages()[-1]["text"]), timeout=TURN_MS)
+    t0 = time.monotonic()
+    assert win.close()
+    assert win.thread.isFinished() and time.monotonic() - t0 < 15
+    settings = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
+    assert settings.value("document") == str(doc) and settings.value("geometry") is not None
