@@ -98,7 +98,9 @@ class Ours:
         return self.llm.device
 
     def close(self):
-        self.llm.runner.__dict__.get("oe") and self.llm.runner.close()
+        close = getattr(self.llm.runner, "close", None)  # offload runners stop their copy streams
+        if close is not None:
+            close()
         del self.llm
 
 
