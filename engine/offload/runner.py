@@ -43,7 +43,8 @@ class OffloadRunner:
         else:
             self.num_blocks = self.max_blocks_per_seq + 1
         self.policy = policy or FullPolicy()
-        self.policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, bs, device, dtype))
+        self.policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, bs, device, dtype,
+                                         self.num_blocks))
         self._recorder = recorder
         with recorder.span(HOST, "allocate KV (host pool + device buffers)"):
             self.oe = self._make_offload_engine()

@@ -24,6 +24,7 @@ class KVLayout:
     block_size: int
     device: torch.device
     dtype: torch.dtype
+    num_blocks: int = 0          # host (or paged) KV blocks: the block ids the hooks are given
 
 
 @dataclass
