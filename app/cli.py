@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prefill-chunk", type=int, default=8192, metavar="TOKENS",
                    help="layerwise prefill: rows per QKV/MLP chunk (bounds activation memory)")
     c.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    c.add_argument("--policy", choices=("full", "quest"), default="full",
+                   help="sparse attention policy: full (dense), quest (decode loads only the top KV pages; layerwise)")
+    c.add_argument("--quest-budget", type=int, default=2048, help="quest: tokens of KV loaded per layer and kv head")
+    c.add_argument("--quest-page", type=int, default=32, help="quest: page size in tokens (divides --block-size)")
+    c.add_argument("--quest-dense-layers", type=int, default=2, help="quest: first layers kept dense")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     c.add_argument("--top-p", type=float, default=1.0)
@@ -96,7 +101,9 @@ def _chat(args) -> int:
     llm = LLM(args.model, progress=_progress, recorder=recorder, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
               gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
-              prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size)
+              prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=args.policy,
+              policy_params=({"token_budget": args.quest_budget, "page_size": args.quest_page,
+                              "dense_layers": args.quest_dense_layers} if args.policy == "quest" else {}))
     messages = document_messages(document.text, question, document.name, args.system)
     answer = []
     stats = None
@@ -110,6 +117,7 @@ def _chat(args) -> int:
     if args.json:
         print(json.dumps({"answer": "".join(answer), "document": str(doc_path), "question": question,
                           "model": llm.model_name, "device": str(llm.device), "mode": args.mode,
+                          "policy": llm.config.policy, "policy_params": llm.config.policy_params,
                           **({"plan": llm.plan.to_dict()} if llm.plan is not None else {}),
                           "dtype": str(llm.dtype).removeprefix("torch."), **stats.to_dict()}, indent=2))
     else:

@@ -46,7 +46,7 @@ DOCS = (("document", "Document", Qt.DockWidgetArea.LeftDockWidgetArea),
 
 def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
     """The LLM keyword arguments the worker gets (and keeps as `engine_config`) for a policy panel config."""
-    return {**(overrides or {}), **{k: v for k, v in panel_config.items() if k not in ("policy", "policy_params")}}
+    return {**(overrides or {}), **panel_config}
 
 
 class MainWindow(QMainWindow):

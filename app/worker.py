@@ -55,8 +55,8 @@ class EngineWorker(QObject):
     # ---------------------------------------------------------------- slots (worker thread)
     @Slot(dict)
     def load_model(self, config: dict) -> None:
-        """(Re)build the engine with `config` (LLM keyword arguments; `model` None = the default model)."""
-        config = {k: v for k, v in config.items() if k not in ("policy", "policy_params")}
+        """(Re)build the engine with `config` (LLM keyword arguments, policy included; `model` None = the default
+        model). A policy the engine does not have is refused by the engine with a readable message."""
         self.busy.emit(True)
         try:
             self._build(config)

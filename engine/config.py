@@ -30,6 +30,8 @@ class EngineConfig:
     gpu_kv_budget_gb: float | None = None  # layerwise: device memory for KV; layers that fit stay resident
     host_kv_gb: float | None = None     # offload modes: host KV pool; None = one sequence of max_model_len
     prefill_chunk_tokens: int = 8192    # layerwise prefill: rows per QKV / MLP chunk (bounds activations)
+    policy: str = "full"                # sparse attention policy (engine.sparse): full | quest
+    policy_params: dict = field(default_factory=dict)  # e.g. {"token_budget": 2048, "page_size": 32}
     enforce_eager: bool = False         # True = no CUDA graphs for decode
     torch_threads: int | None = None    # CPU threads for torch; None = torch's default
     seed: int = 0                       # for random weights (--shape)

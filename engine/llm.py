@@ -333,6 +333,8 @@ def _stats(seq: Sequence) -> GenerationStats:
 
 def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, rec: Recorder):
     if cfg.mode == "gpu":
+        from engine.sparse import make_policy
+        make_policy(cfg.policy, cfg.policy_params, cfg.mode)  # refuses a policy gpu mode cannot run
         return ModelRunner(model, cfg, device, dtype, max_model_len, rec)
     from engine.offload import ChunkedRunner, LayerwiseRunner
     runner = (LayerwiseRunner if cfg.mode == "layerwise" else ChunkedRunner)(model, cfg, device, dtype, max_model_len, rec)

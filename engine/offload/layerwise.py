@@ -34,7 +34,12 @@ class LayerwiseRunner(OffloadRunner):
         self.streamed = self.plan.streamed
         self._steps = 0  # ring positions continue across steps: streamed layer j of step k is at k * S + j
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
-        return self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
+        self._quest = self.policy if self.policy.requires_block_selection else None
+        self._chosen: dict[int, torch.Tensor] = {}     # layer -> pages [Hkv, k] for its next load
+        self._chosen_version: dict[int, int] = {}      # layer -> selections made (a load's identity)
+        oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
+        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks) when loaded by pages
+        return oe
 
     def _buffer(self, layer: int) -> int:
         j = self.streamed.index(layer) if layer not in self.oe.resident else 0
@@ -51,29 +56,36 @@ class LayerwiseRunner(OffloadRunner):
         context = None if is_prefill else torch.full((1,), end, dtype=torch.long, device=self.device)
         S, N = len(self.streamed), oe.ring_slots
         for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
-            oe.load(oe.resident[layer], layer, table[:n_host])
+            self._load(oe.resident[layer], layer, table[:n_host], is_prefill)
         for j in range(min(N, S)):                   # no-op where last step's prefetch already did it
-            oe.load(self._buffer(self.streamed[j]), self.streamed[j], table[:n_host])
+            self._load(self._buffer(self.streamed[j]), self.streamed[j], table[:n_host], is_prefill)
         for l, layer in enumerate(model.layers):
             buf = self._buffer(l)
+            packed = self._packed[buf] if self._packed[buf] and self._packed[buf][0] == l else None
+            at = n_host if packed is None else packed[1]  # where block n_host sits in the buffer
             with rec.span(COMPUTE, model.layer_names[l], l, slot=buf if buf < N else None):
                 for ev in oe.ready(buf):
                     wait_on(ev, self.device, rec, l, buf if buf < N else None)
                 if rec.enabled and buf < N:
                     rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens)
-                oe.writing(buf, n_host)
+                oe.writing(buf, at)
                 K, V = oe.kv_views(buf)
                 if start > n_host * bs:              # decode: the partly filled block, kept on the device
-                    oe.buffers[buf][n_host].copy_(oe.dbuf[l])
+                    oe.buffers[buf][at].copy_(oe.dbuf[l])
                 with rec.span(COMPUTE, "attention", l):
-                    q = self._qkv(model.layers[l], h, residual, cos, sin, K, V, slots)
+                    where = slots if packed is None else torch.stack([slots[0] - n_host + at, slots[1]])
+                    q = self._qkv(model.layers[l], h, residual, cos, sin, K, V, where)
+                    q_last = q[-1].clone() if self._quest is not None else None
                     if is_prefill:
                         o = self._prefill_attention(q, buf, end, l)
                     else:
-                        o = decode_attention(q, K, V, self.table[:, :n_done + 1], context, self.scale)
+                        ctx = context if packed is None else context - (n_host - at) * bs
+                        o = decode_attention(q, K, V, self.table[:, :at + 1], ctx, self.scale)
                     del q  # long prompts: q and o are 1 GiB each at 128K; the MLP needs only o
                 self._finish_layer(model.layers[l], h, residual, o, l)
-                self._after_layer(seq, l, buf, n_host, n_done, end, is_prefill)
+                self._after_layer(seq, l, buf, n_host, n_done, end, is_prefill, at)
+                if q_last is not None:
+                    self._select(l, q_last, table[:max(0, n_done - 1)])
             if buf < N:
                 self._prefetch(seq, self.streamed.index(l), n_host, n_done, is_prefill)
             if model.task is not None:
@@ -100,16 +112,54 @@ class LayerwiseRunner(OffloadRunner):
         v = b[:, 1].transpose(0, 1).reshape(hkv, -1, d)[:, :end]
         return self.policy.prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), l, self.scale)
 
-    def _after_layer(self, seq, l, buf, n_host, n_done, end, is_prefill) -> None:
+    def _after_layer(self, seq, l, buf, n_host, n_done, end, is_prefill, at) -> None:
+        """Offload the blocks completed in this step (block n_host sits at buffer position `at`), keep the partly
+        filled one in the decode buffer, release the buffer."""
         oe, bs = self.oe, self.block_size
         if n_done > n_host:                                             # blocks completed in this step
-            oe.offload(buf, l, list(range(n_host, n_done)), seq.block_table[n_host:n_done])
+            positions = list(range(at, at + n_done - n_host))
+            oe.offload(buf, l, positions, seq.block_table[n_host:n_done])
             hook = self.policy.on_prefill_offload if is_prefill else self.policy.on_decode_offload
-            for i in range(n_host, n_done):
-                hook(seq.block_table[i], l, oe.buffers[buf][i, 0], bs)
+            for p, i in zip(positions, range(n_host, n_done)):
+                hook(seq.block_table[i], l, oe.buffers[buf][p, 0], bs)
         if end % bs:                                                    # the partly filled block stays here
-            oe.dbuf[l].copy_(oe.buffers[buf][n_done])
+            oe.dbuf[l].copy_(oe.buffers[buf][at + n_done - n_host])
         oe.release(buf, l, end)
+
+    # ---------------------------------------------------------------- block selection (Quest)
+    def _load(self, buf: int, layer: int, blocks: list[int], is_prefill: bool) -> None:
+        """Load a layer's host blocks into a buffer: all of them, or, where the policy selects, the pages it
+        chose (at the previous step, or from the prompt's last query) plus the newest block's pages."""
+        quest = self._quest
+        chosen = None if quest is None or is_prefill or layer in self.oe.resident else self._chosen.get(layer)
+        if chosen is None or not quest.applies(layer, len(blocks)):
+            self._packed[buf] = None
+            self.oe.load(buf, layer, blocks)
+            return
+        kb = (chosen.shape[1] + quest.pages_per_block) // quest.pages_per_block   # packed blocks
+        key = (layer, kb, self._chosen_version[layer], blocks[-1])
+        if self._packed[buf] == key:  # already loaded (the previous step's prefetch)
+            return
+        newest = quest.page_ids(blocks[-1:])[None].expand(chosen.shape[0], -1)
+        self.oe.load_pages(buf, layer, torch.cat([chosen, newest], dim=1), quest.page_size)
+        self._packed[buf] = key
+
+    def _select(self, layer: int, q: torch.Tensor, blocks: list[int]) -> None:
+        """With this step's query of `layer`, choose its pages for the next step (the newest block is added at
+        load time). Loads run N layers ahead, before that layer's next query exists: this is the fix."""
+        quest = self._quest
+        if not quest.applies(layer, len(blocks) + 1):
+            self._chosen.pop(layer, None)
+            return
+        k = quest.budget_pages - quest.pages_per_block
+        positions, scores = quest.select(layer, q, blocks, k)
+        pages = quest.page_ids(blocks)[positions]
+        self._chosen[layer] = pages
+        self._chosen_version[layer] = self._chosen_version.get(layer, 0) + 1
+        rec = self.recorder
+        if rec.enabled:
+            for h in range(pages.shape[0]):
+                rec.quest_pick(layer, h, pages[h], scores[h], len(blocks) * quest.pages_per_block)
 
     def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool) -> None:
         """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or the next one)."""
@@ -121,4 +171,4 @@ class LayerwiseRunner(OffloadRunner):
             layer, blocks, k = self.streamed[nxt - S], seq.block_table[:n_done], self._steps + 1
         else:
             return
-        self.oe.load(self.oe.buffer_for(layer, k * S + self.streamed.index(layer)), layer, blocks)
+        self._load(self.oe.buffer_for(layer, k * S + self.streamed.index(layer)), layer, blocks, False)

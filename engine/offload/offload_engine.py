@@ -100,7 +100,7 @@ class OffloadEngine:
             return host
         # Pin by registering the allocation: torch's pinned allocator rounds sizes up to a power of two (a 72 GiB
         # pool would ask for 128 GiB and fail), cudaHostRegister pins exactly what is there.
-        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 3)  # portable | mapped
         if int(err) != 0:
             warnings.warn(f"could not pin {nbytes / 2**30:.1f} GiB of host memory (CUDA error {int(err)}); using "
                           "pageable memory: host-device copies will be about 3x slower and synchronous", stacklevel=2)
@@ -153,6 +153,53 @@ class OffloadEngine:
         if ready is not None and self.device.type == "cuda":
             rec.slot_state(slot, layer, READY, tokens, cap, event=self.loaded[buf])
         self.bytes_h2d += nbytes
+
+    def load_pages(self, buf: int, layer: int, pages: torch.Tensor, page_size: int, **trace) -> None:
+        """Per-kv-head pages of `layer` -> packed into the buffer: page j of head h lands at position j (block
+        j // pages_per_block, tokens (j % pages_per_block) * page_size ...), so each head attends to its own
+        selection through one block table. pages: [Hkv, k] global page ids (block * pages_per_block + i).
+
+        One gather per load (never a copy per page): on CUDA a kernel reads the pinned pool over PCIe through
+        its device mapping; on CPU the copy thread indexes the pool."""
+        ppb = self.block_size // page_size
+        hkv, k = pages.shape
+        two, _, bs, d = self.block_shape
+        src = self._pages_view(page_size)[layer]                        # [NB, 2, Hkv, ppb, P, D]
+        dst = self.buffers[buf].view(self.slot_blocks, two, hkv, ppb, page_size, d)
+        pages = pages.to(src.device, non_blocking=True)
+        heads = torch.arange(hkv, device=src.device)[:, None].expand(hkv, k)
+        pos = torch.arange(k, device=dst.device)[None].expand(hkv, k)
+        heads_d = heads.to(dst.device)
+
+        def gather():
+            dst[pos // ppb, :, heads_d, pos % ppb] = src[pages // ppb, :, heads, pages % ppb].to(dst.device)
+
+        self.held[buf] = {}                                              # packed pages: no whole blocks held
+        nbytes = hkv * k * two * page_size * d * self.dtype.itemsize
+        slot = buf if buf < self.ring_slots else None
+        self.loaded[buf] = self.h2d.run(gather, (self.free[buf], self.read[buf], self.loaded[buf],
+                                                self.layer_written[layer]), recorder=self.recorder,
+                                        name=f"load L{layer} pages", layer=layer, slot=slot, nbytes=nbytes,
+                                        pages=k, **trace)
+        self.bytes_h2d += nbytes
+
+    def _pages_view(self, page_size: int) -> torch.Tensor:
+        """The host pool as [L, NB, 2, Hkv, ppb, P, D] pages, readable by the device's gather (CUDA: the
+        pool's device mapping, see `_device_view`)."""
+        pool = self.host if self.device.type != "cuda" else self._device_view()
+        two, hkv, bs, d = self.block_shape
+        return pool.view(self.L, self.host_blocks, two, hkv, bs // page_size, page_size, d)
+
+    def _device_view(self) -> torch.Tensor:
+        """A CUDA tensor over the registered (pinned, mapped) host pool: kernels read it over PCIe."""
+        if getattr(self, "_uva", None) is None:
+            if getattr(self, "_registered", None) is None:
+                raise RuntimeError("page gathers on CUDA need the pinned host pool, and pinning failed")
+            iface = {"shape": tuple(self.host.shape), "typestr": "<i2" if self.dtype.itemsize == 2 else "<f4",
+                     "data": (self.host.data_ptr(), False), "version": 3, "strides": None}
+            holder = type("HostPool", (), {"__cuda_array_interface__": iface})()
+            self._uva = torch.as_tensor(holder, device=self.device).view(self.dtype)
+        return self._uva
 
     def writing(self, buf: int, first: int) -> None:
         """Compute is about to write positions >= first of a buffer: they no longer hold host blocks."""

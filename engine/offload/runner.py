@@ -17,7 +17,8 @@ from engine.layers.sampler import Sampler
 from engine.models.llama import CausalLM
 from engine.offload.offload_engine import OffloadEngine
 from engine.sequence import Sequence
-from engine.sparse.policy import FullPolicy, KVLayout, SparsePolicy
+from engine.sparse import make_policy
+from engine.sparse.policy import KVLayout, SparsePolicy
 from engine.trace.events import COMPUTE, HOST
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -42,7 +43,7 @@ class OffloadRunner:
                 raise ConfigError(f"host_kv_gb {config.host_kv_gb} holds no block of {self.block_bytes / 2**20:.1f} MiB")
         else:
             self.num_blocks = self.max_blocks_per_seq + 1
-        self.policy = policy or FullPolicy()
+        self.policy = policy or make_policy(config.policy, config.policy_params, config.mode)
         self.policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, bs, device, dtype,
                                          self.num_blocks))
         self._recorder = recorder

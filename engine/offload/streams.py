@@ -58,6 +58,12 @@ class CopyStream:
             self._thread = threading.Thread(target=self._work, name=f"kvscope-{name}", daemon=True)
             self._thread.start()
 
+    def run(self, fn, after=(), *, recorder: Recorder = NULL_RECORDER, name: str = "gather",
+            layer: int | None = None, slot: int | None = None, nbytes: int = 0, **args):
+        """Run `fn()` (work that moves data, e.g. a gather) on this stream after `after`; -> an end event."""
+        return self.copy([(None, fn)], after, recorder=recorder, name=name, layer=layer, slot=slot, nbytes=nbytes,
+                         **args)
+
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=(), *, recorder: Recorder = NULL_RECORDER,
              name: str = "copy", layer: int | None = None, slot: int | None = None, nbytes: int = 0, on_done=None,
              **args):
@@ -70,7 +76,7 @@ class CopyStream:
                 s.wait_event(e)
             with torch.cuda.stream(s), recorder.span(self.lane, name, layer, stream=s, bytes=nbytes, slot=slot, **args):
                 for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
+                    src() if dst is None else dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)  # the slot view times READY by it
             done.record(s)
             return done
@@ -89,7 +95,7 @@ class CopyStream:
                     e.wait()
                 with rec.span(self.lane, name, layer, bytes=nbytes, slot=slot, **args):
                     for dst, src in pairs:
-                        dst.copy_(src)
+                        src() if dst is None else dst.copy_(src)
                 if on_done is not None:
                     on_done()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event

@@ -77,14 +77,15 @@ class QuestPolicy(SparsePolicy):
         bound = torch.maximum(qg[:, :, None] * lo, qg[:, :, None] * hi).sum(-1)     # [Hkv, G, P]
         return bound.amax(dim=1)
 
-    def select(self, layer: int, q: torch.Tensor, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, layer: int, q: torch.Tensor, blocks: list[int], k: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (positions [Hkv, k] into the sequence's page list, ascending; their scores). The sink (page 0)
-        and the most recent page are always in. k = budget_pages."""
+        and the most recent page are always in. k defaults to budget_pages."""
         pages = self.page_ids(blocks)
         s = self.scores(layer, q, pages)
         forced = s.clone()
         forced[:, 0] = float("inf")
         forced[:, -1] = float("inf")
-        k = min(self.budget_pages, pages.numel())
+        k = min(self.budget_pages if k is None else k, pages.numel())
         top = forced.topk(k, dim=-1).indices.sort(dim=-1).values
         return top, s.gather(1, top)

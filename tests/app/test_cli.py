@@ -134,3 +134,16 @@ def test_host_pool_too_big_for_ram(capsys, default_model_dir):
     code, _, err = run_cli(capsys, "--ask", "hi", "--model", str(default_model_dir), "--mode", "layerwise",
                            "--host-kv-gb", "100000")
     assert code == 2 and "GiB of RAM is available" in err and "--host-kv-gb" in err
+
+
+def test_quest_policy_from_the_command_line(capsys, tmp_path, default_model_dir):
+    doc = tmp_path / "note.txt"
+    doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen.\n" * 3)
+    code, out, err = run_cli(capsys, "--document", str(doc), "--ask", "In which city is the meeting?", "--json",
+                             "--max-new-tokens", "16", "--model", str(default_model_dir), "--mode", "layerwise",
+                             "--block-size", "16", "--policy", "quest", "--quest-budget", "32", "--quest-page", "16")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["policy"] == "quest" and result["policy_params"]["token_budget"] == 32
+    code, _, err = run_cli(capsys, "--ask", "hi", "--model", str(default_model_dir), "--policy", "quest")
+    assert code == 2 and "layerwise" in err

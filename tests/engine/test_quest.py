@@ -49,3 +49,66 @@ def test_dense_below_the_budget_and_in_dense_layers():
     assert not p.applies(0, 6)           # a dense layer
     assert not p.applies(1, 2)           # 4 pages fit the budget of 4
     assert p.applies(1, 3)
+
+
+# ---------------------------------------------------------------- Quest in layerwise mode (the real default model)
+import pytest  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
+from engine.trace import TraceRecorder  # noqa: E402
+
+QUEST = {"token_budget": 256, "page_size": 16, "dense_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def quest_llm(default_model_dir):
+    return LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
+               policy="quest", policy_params=QUEST)
+
+
+def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
+    llm = quest_llm
+    rec = TraceRecorder()
+    llm.recorder = rec
+    prompt = list(range(2000, 2000 + 900))                       # 14 full blocks of 64 + 4 tokens
+    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.recorder = None
+    decodes = [s for s in rec.steps if s.phase == "decode"]
+    a, block = llm.args, llm.runner.oe.block_bytes
+    per_token_layer = block // 64
+    want = 2 * 14 * block + (a.num_layers - 2) * QUEST["token_budget"] * per_token_layer   # dense + sparse layers
+    assert decodes[1].metrics["bytes_h2d"] == want                # a steady step (its first loads came early)
+    picks = decodes[1].quest
+    assert len(picks) == (a.num_layers - 2) * a.num_kv_heads      # every sparse layer, every kv head
+    for p in picks:
+        assert 0 in p.blocks and p.n_blocks == 13 * 4             # sink page in; candidates: all but the newest block
+        assert len(p.blocks) == QUEST["token_budget"] // 16 - 4   # the newest block's 4 pages are added at load
+
+
+def test_quest_answers_a_question_about_a_document(default_model_dir):
+    """A quarter of the context per layer (and all of it in the first two layers) still finds the fact."""
+    llm = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=4096,
+              policy="quest", policy_params={"token_budget": 512, "page_size": 16, "dense_layers": 2})
+    doc = (open(__file__.replace("tests/engine/test_quest.py", "resources/samples/kv_cache_offload_primer.md"))
+           .read()[:9000])
+    msgs = [{"role": "user", "content": doc + "\n\nQuestion: In which city is the Halvorsen lab based?"}]
+    chunks = list(llm.stream(msgs, SamplingParams(max_tokens=24)))
+    assert "Bergen" in "".join(c.text for c in chunks)
+    assert chunks[-1].stats.prompt_tokens > 4 * 512                      # Quest loads under a quarter of it
+
+
+def test_quest_with_room_for_everything_equals_full(default_model_dir, quest_llm):
+    prompt = list(range(3000, 3000 + 200))
+    roomy = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
+                policy="quest", policy_params={"token_budget": 1024})
+    full = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert roomy.generate([prompt], params)[0].token_ids == full.generate([prompt], params)[0].token_ids
+
+
+def test_quest_is_refused_where_it_cannot_run(default_model_dir):
+    with pytest.raises(ConfigError, match="layerwise"):
+        LLM(str(default_model_dir), device="cpu", mode="gpu", policy="quest")
+    with pytest.raises(ConfigError, match="page_size"):
+        LLM(str(default_model_dir), device="cpu", mode="layerwise", policy="quest", policy_params={"page_size": 24})

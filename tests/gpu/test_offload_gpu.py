@@ -70,3 +70,21 @@ def test_layerwise_copies_overlap_compute_on_cuda():
     print(f"\nlayerwise decode @12K: H2D {sm.gbps['h2d']:.1f} GB/s, compute busy {sm.busy_fraction['compute']:.2f}, "
           f"overlap {sm.overlap_fraction:.2f}, exposed copy {sm.exposed_copy_us / len(steady) / 1e3:.2f} ms/token")
     assert sm.gbps["h2d"] > 5.0 and sm.overlap_fraction > 0.5
+
+
+def test_page_gather_reads_the_pinned_pool_directly():
+    """Quest's per-kv-head page loads on CUDA: one gather kernel over the pool's device mapping."""
+    from engine.offload.offload_engine import OffloadEngine
+    oe = OffloadEngine(2, 4, 64, 64, torch.bfloat16, torch.device("cuda"), host_blocks=10, ring_slots=1,
+                       slot_blocks=4)
+    oe.host.copy_(torch.randn(oe.host.shape).to(torch.bfloat16))
+    pages = torch.tensor([[0, 5, 17, 39, 2, 3, 8, 9], [1, 4, 6, 30, 31, 33, 12, 13],
+                          [0, 1, 2, 3, 4, 5, 6, 7], [39, 38, 20, 21, 22, 23, 24, 25]], device="cuda")
+    oe.load_pages(0, 1, pages, 16)
+    torch.cuda.synchronize()
+    host = oe.host[1].view(10, 2, 4, 4, 16, 64)                      # [block, k/v, head, page, P, D]
+    buf = oe.buffers[0].view(4, 2, 4, 4, 16, 64)
+    for h in range(4):
+        for j, p in enumerate(pages[h].tolist()):
+            assert torch.equal(buf[j // 4, :, h, j % 4].cpu(), host[p // 4, :, h, p % 4])
+    oe.close()
