@@ -174,11 +174,15 @@ class OffloadEngine:
         def gather():
             dst[pos // ppb, :, heads_d, pos % ppb] = src[pages // ppb, :, heads, pages % ppb].to(dst.device)
 
+        if self.device.type == "cuda":  # made on the compute stream, used on the copy stream: keep them alive
+            for t in (pages, heads, pos, heads_d):
+                t.record_stream(self.h2d.stream)
         self.held[buf] = {}                                              # packed pages: no whole blocks held
         nbytes = hkv * k * two * page_size * d * self.dtype.itemsize
         slot = buf if buf < self.ring_slots else None
         self.loaded[buf] = self.h2d.run(gather, (self.free[buf], self.read[buf], self.loaded[buf],
-                                                self.layer_written[layer]), recorder=self.recorder,
+                                                self.layer_written[layer], compute_done(self.device)),
+                                        recorder=self.recorder,
                                         name=f"load L{layer} pages", layer=layer, slot=slot, nbytes=nbytes,
                                         pages=k, **trace)
         self.bytes_h2d += nbytes
