@@ -159,40 +159,27 @@ class OffloadEngine:
         j // pages_per_block, tokens (j % pages_per_block) * page_size ...), so each head attends to its own
         selection through one block table. pages: [Hkv, k] global page ids (block * pages_per_block + i).
 
-        One gather per load (never a copy per page): on CUDA a kernel reads the pinned pool over PCIe through
-        its device mapping; on CPU the copy thread indexes the pool."""
-        ppb = self.block_size // page_size
+        One gather per load, never a copy per page: on CUDA a Triton kernel reads the pinned pool over PCIe
+        through its device mapping (engine/ops/triton_gather.py); on CPU the copy thread indexes the pool."""
+        from engine.ops.triton_gather import gather_pages, gather_pages_reference
         hkv, k = pages.shape
         two, _, bs, d = self.block_shape
-        src = self._pages_view(page_size)[layer]                        # [NB, 2, Hkv, ppb, P, D]
-        dst = self.buffers[buf].view(self.slot_blocks, two, hkv, ppb, page_size, d)
-        pages = pages.to(src.device, non_blocking=True)
-        heads = torch.arange(hkv, device=src.device)[:, None].expand(hkv, k)
-        pos = torch.arange(k, device=dst.device)[None].expand(hkv, k)
-        heads_d = heads.to(dst.device)
-
-        def gather():
-            dst[pos // ppb, :, heads_d, pos % ppb] = src[pages // ppb, :, heads, pages % ppb].to(dst.device)
-
-        if self.device.type == "cuda":  # made on the compute stream, used on the copy stream: keep them alive
-            for t in (pages, heads, pos, heads_d):
-                t.record_stream(self.h2d.stream)
+        cuda = self.device.type == "cuda"
+        src = (self._device_view() if cuda else self.host)[layer]       # [NB, 2, Hkv, bs, D]
+        dst = self.buffers[buf]
+        pages = pages.to(dst.device, non_blocking=True)
+        if cuda:  # made on the compute stream, used on the copy stream: keep it alive there
+            pages.record_stream(self.h2d.stream)
+        gather = gather_pages if cuda else gather_pages_reference
         self.held[buf] = {}                                              # packed pages: no whole blocks held
         nbytes = hkv * k * two * page_size * d * self.dtype.itemsize
         slot = buf if buf < self.ring_slots else None
-        self.loaded[buf] = self.h2d.run(gather, (self.free[buf], self.read[buf], self.loaded[buf],
-                                                self.layer_written[layer], compute_done(self.device)),
-                                        recorder=self.recorder,
-                                        name=f"load L{layer} pages", layer=layer, slot=slot, nbytes=nbytes,
-                                        pages=k, **trace)
+        self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, pages, page_size),
+                                        (self.free[buf], self.read[buf], self.loaded[buf], self.layer_written[layer],
+                                         compute_done(self.device)),
+                                        recorder=self.recorder, name=f"load L{layer} pages", layer=layer, slot=slot,
+                                        nbytes=nbytes, pages=k, **trace)
         self.bytes_h2d += nbytes
-
-    def _pages_view(self, page_size: int) -> torch.Tensor:
-        """The host pool as [L, NB, 2, Hkv, ppb, P, D] pages, readable by the device's gather (CUDA: the
-        pool's device mapping, see `_device_view`)."""
-        pool = self.host if self.device.type != "cuda" else self._device_view()
-        two, hkv, bs, d = self.block_shape
-        return pool.view(self.L, self.host_blocks, two, hkv, bs // page_size, page_size, d)
 
     def _device_view(self) -> torch.Tensor:
         """A CUDA tensor over the registered (pinned, mapped) host pool: kernels read it over PCIe."""
