@@ -54,6 +54,9 @@ class LayerwiseRunner(OffloadRunner):
         h, residual, pos, (cos, sin) = self._inputs(seq, start, end)
         slots = torch.stack([pos // bs, pos % bs])
         context = None if is_prefill else torch.full((1,), end, dtype=torch.long, device=self.device)
+        if self._quest is not None:  # the block table on the device, once per step (no host sync per layer)
+            pin = self.device.type == "cuda"
+            self._table_dev = torch.tensor(table, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
         S, N = len(self.streamed), oe.ring_slots
         for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
             self._load(oe.resident[layer], layer, table[:n_host], is_prefill)
@@ -85,7 +88,7 @@ class LayerwiseRunner(OffloadRunner):
                 self._finish_layer(model.layers[l], h, residual, o, l)
                 self._after_layer(seq, l, buf, n_host, n_done, end, is_prefill, at)
                 if q_last is not None:
-                    self._select(l, q_last, table[:max(0, n_done - 1)])
+                    self._select(l, q_last, max(0, n_done - 1))
             if buf < N:
                 self._prefetch(seq, self.streamed.index(l), n_host, n_done, is_prefill)
             if model.task is not None:
@@ -140,18 +143,19 @@ class LayerwiseRunner(OffloadRunner):
         key = (layer, kb, self._chosen_version[layer], blocks[-1])
         if self._packed[buf] == key:  # already loaded (the previous step's prefetch)
             return
-        newest = quest.page_ids(blocks[-1:])[None].expand(chosen.shape[0], -1)
+        newest = quest.page_ids(self._table_dev[len(blocks) - 1:len(blocks)])[None].expand(chosen.shape[0], -1)
         self.oe.load_pages(buf, layer, torch.cat([chosen, newest], dim=1), quest.page_size)
         self._packed[buf] = key
 
-    def _select(self, layer: int, q: torch.Tensor, blocks: list[int]) -> None:
+    def _select(self, layer: int, q: torch.Tensor, n_blocks: int) -> None:
         """With this step's query of `layer`, choose its pages for the next step (the newest block is added at
         load time). Loads run N layers ahead, before that layer's next query exists: this is the fix."""
         quest = self._quest
-        if not quest.applies(layer, len(blocks) + 1):
+        if not quest.applies(layer, n_blocks + 1):
             self._chosen.pop(layer, None)
             return
         k = quest.budget_pages - quest.pages_per_block
+        blocks = self._table_dev[:n_blocks]
         positions, scores = quest.select(layer, q, blocks, k)
         pages = quest.page_ids(blocks)[positions]
         self._chosen[layer] = pages
@@ -159,7 +163,7 @@ class LayerwiseRunner(OffloadRunner):
         rec = self.recorder
         if rec.enabled:
             for h in range(pages.shape[0]):
-                rec.quest_pick(layer, h, pages[h], scores[h], len(blocks) * quest.pages_per_block)
+                rec.quest_pick(layer, h, pages[h], scores[h], n_blocks * quest.pages_per_block)
 
     def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool) -> None:
         """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or the next one)."""

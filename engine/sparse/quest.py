@@ -65,7 +65,7 @@ class QuestPolicy(SparsePolicy):
 
     def page_ids(self, blocks: list[int] | torch.Tensor) -> torch.Tensor:
         """The global page ids of these host blocks, in sequence order."""
-        b = torch.as_tensor(blocks, dtype=torch.long, device=self.kmin.device)
+        b = torch.as_tensor(blocks, dtype=torch.long).to(self.kmin.device, non_blocking=True)
         return (b[:, None] * self.pages_per_block + torch.arange(self.pages_per_block, device=b.device)).flatten()
 
     def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
