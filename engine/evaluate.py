@@ -1,0 +1,128 @@
+"""Accuracy harness: does a policy still find a fact hidden in a long document?
+
+    python -m engine.evaluate needle --lengths 2048,4096,7000 --depths 0.1,0.5,0.9 --policy full,quest
+    python -m engine.evaluate needle --model ~/models/Qwen3-4B --lengths 32768 --mode layerwise --json out.json
+
+A haystack of plain filler sentences (seeded, so every run is the same) gets one needle at a relative depth:
+a number, a name or a place, each with its question. The engine answers greedily; a hit is an answer that
+contains the needle's value. The grid prints length x depth with hits per needle kind, one grid per policy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass
+
+NEEDLES = {
+    "number": ("The access code for the north gate of the observatory is 4817.",
+               "What is the access code for the north gate of the observatory?", "4817"),
+    "name": ("The archivist on duty during the night of the flood was called Ingrid Solberg.",
+             "What was the name of the archivist on duty during the night of the flood?", "Solberg"),
+    "place": ("The spare keys to the lighthouse are kept in a tin box in Tromsø.",
+              "In which town are the spare keys to the lighthouse kept?", "Tromsø"),
+}
+_SUBJECTS = ["The committee", "A traveller", "The old ferry", "Every spring the valley", "The baker",
+             "A quiet library", "The river", "Our neighbour", "The night train", "A small orchard"]
+_VERBS = ["remembered", "described", "welcomed", "ignored", "carried", "painted", "measured", "followed"]
+_OBJECTS = ["the long winter evenings", "a basket of apples", "the harbour lights", "an unfinished letter",
+            "the scent of pine resin", "a map of the coastline", "the sound of distant bells", "a wooden chair"]
+
+
+def haystack(n_sentences: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(n_sentences)]
+
+
+def needle_document(llm, tokens: int, depth: float, kind: str, seed: int = 0) -> tuple[list[int], str]:
+    """Prompt token ids (chat template applied) of about `tokens` tokens with the needle at `depth`."""
+    fact, question, _ = NEEDLES[kind]
+    per_sentence = max(1, llm.count_tokens(" ".join(haystack(50, seed))) / 50)
+    hay = haystack(int(tokens / per_sentence) + 1, seed)
+    while True:
+        body = hay[:int(len(hay) * depth)] + [fact] + hay[int(len(hay) * depth):]
+        text = " ".join(body)
+        content = f"Read the document and answer the question.\n\n<document>\n{text}\n</document>\n\nQuestion: {question}"
+        ids = llm.chat_prompt_ids([{"role": "user", "content": content}])
+        if len(ids) <= tokens or len(hay) < 10:
+            return ids, question
+        hay = hay[:int(len(hay) * tokens / len(ids)) - 1]
+
+
+@dataclass
+class Cell:
+    policy: str
+    length: int
+    depth: float
+    kind: str
+    prompt_tokens: int
+    hit: bool
+    answer: str
+
+
+def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds: list[str],
+                max_new_tokens: int = 32) -> list[Cell]:
+    from engine import SamplingParams
+    cells = []
+    for n in lengths:
+        for d in depths:
+            for kind in kinds:
+                ids, _ = needle_document(llm, n, d, kind)
+                out = llm.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
+                cells.append(Cell(policy, n, d, kind, len(ids), NEEDLES[kind][2].lower() in out.text.lower(),
+                                  out.text.strip()))
+    return cells
+
+
+def grid(cells: list[Cell], lengths: list[int], depths: list[float], kinds: list[str]) -> str:
+    lines = [f"{'tokens':>8} " + "".join(f"{f'depth {d:.0%}':>14}" for d in depths)]
+    for n in lengths:
+        row = []
+        for d in depths:
+            hits = [c for c in cells if c.length == n and c.depth == d]
+            row.append(f"{sum(c.hit for c in hits)}/{len(hits)} " + "".join("x" if c.hit else "." for c in hits))
+        lines.append(f"{n:>8} " + "".join(f"{r:>14}" for r in row))
+    lines.append(f"(hits of {', '.join(kinds)} per cell; x = found, . = missed)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="task", required=True)
+    n = sub.add_parser("needle", help="needle in a haystack: length x depth grid per policy")
+    n.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
+    n.add_argument("--device", default=None)
+    n.add_argument("--mode", default="layerwise", choices=("gpu", "layerwise", "chunked"))
+    n.add_argument("--lengths", default="2048,4096,7000")
+    n.add_argument("--depths", default="0.1,0.5,0.9")
+    n.add_argument("--kinds", default=",".join(NEEDLES))
+    n.add_argument("--policy", default="full", help="comma separated: full,quest")
+    n.add_argument("--quest-budget", type=int, default=1024)
+    n.add_argument("--quest-page", type=int, default=16)
+    n.add_argument("--block-size", type=int, default=256)
+    n.add_argument("--json", default=None, help="also write every cell (answer included) to this file")
+    args = p.parse_args(argv)
+    from engine import LLM
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    kinds = args.kinds.split(",")
+    cells: list[Cell] = []
+    for policy in args.policy.split(","):
+        params = {"token_budget": args.quest_budget, "page_size": args.quest_page} if policy == "quest" else {}
+        llm = LLM(args.model, device=args.device, mode=args.mode, policy=policy, policy_params=params,
+                  kv_block_size=args.block_size, max_model_len=max(lengths) + 64)
+        got = run_needles(llm, policy, lengths, depths, kinds)
+        cells += got
+        print(f"\n{policy} ({args.mode} mode{', ' + json.dumps(params) if params else ''}):")
+        print(grid(got, lengths, depths, kinds), flush=True)
+        del llm
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(c) for c in cells], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

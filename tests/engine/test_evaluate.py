@@ -1,0 +1,33 @@
+"""The needle harness: documents of the asked length with the fact at the asked depth, graded by the answer."""
+import pytest
+
+from engine.evaluate import NEEDLES, grid, main, needle_document, run_needles
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    from engine import LLM
+    return LLM(str(default_model_dir), device="cpu", mode="layerwise", kv_block_size=64, max_model_len=2048)
+
+
+@pytest.mark.parametrize("depth", [0.1, 0.5, 0.9])
+def test_needle_documents_have_the_length_and_the_depth(llm, depth):
+    ids, question = needle_document(llm, 1500, depth, "place")
+    assert 1400 <= len(ids) <= 1500 and question == NEEDLES["place"][1]
+    text = llm.tokenizer.decode(ids)
+    doc = text[text.index("<document>"):text.index("</document>")]
+    at = doc.index(NEEDLES["place"][0]) / len(doc)
+    assert abs(at - depth) < 0.05
+
+
+def test_the_default_model_finds_a_number_and_the_grid_says_so(llm):
+    cells = run_needles(llm, "full", [1024], [0.5], ["number"])
+    assert cells[0].hit and "4817" in cells[0].answer
+    assert "1/1 x" in grid(cells, [1024], [0.5], ["number"])
+
+
+def test_command_line_writes_every_cell(tmp_path, capsys, default_model_dir):
+    out = tmp_path / "needles.json"
+    assert main(["needle", "--model", str(default_model_dir), "--device", "cpu", "--lengths", "600", "--depths",
+                 "0.5", "--kinds", "place", "--block-size", "64", "--json", str(out)]) == 0
+    assert "depth 50%" in capsys.readouterr().out and '"kind": "place"' in out.read_text()
