@@ -32,6 +32,7 @@ from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES, DocumentPanel
 from widgets.metrics_strip import MetricsStrip
 from widgets.policy_panel import POLICIES, PolicyPanel
+from widgets.quest_view import QuestView
 from widgets.ring_view import RingView
 from widgets.timeline_view import TimelineView
 
@@ -41,7 +42,8 @@ DOCS = (("document", "Document", Qt.DockWidgetArea.LeftDockWidgetArea),
         ("policy", "Policy", Qt.DockWidgetArea.RightDockWidgetArea),
         ("metrics", "Metrics", Qt.DockWidgetArea.BottomDockWidgetArea),
         ("timeline", "Timeline", Qt.DockWidgetArea.BottomDockWidgetArea),
-        ("ring", "Ring buffer", Qt.DockWidgetArea.BottomDockWidgetArea))
+        ("ring", "Ring buffer", Qt.DockWidgetArea.BottomDockWidgetArea),
+        ("quest", "Quest", Qt.DockWidgetArea.BottomDockWidgetArea))
 
 
 def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
@@ -51,7 +53,7 @@ def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
 
 class MainWindow(QMainWindow):
     """The app window. Public for tests and tools: `chat`, `document_panel`, `policy_panel`, `timeline`, `ring`,
-    `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`, `model_info` (the
+    `quest`, `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`, `model_info` (the
     latest model_ready dict), `is_busy()`, `send(question)`, `stop()`, `export_bundle(folder)`, `shutdown()`."""
 
     request_load = Signal(dict)
@@ -97,8 +99,9 @@ class MainWindow(QMainWindow):
         self.metrics = MetricsStrip()
         self.timeline = TimelineView()
         self.ring = RingView()
+        self.quest = QuestView()
         views = {"document": self.document_panel, "policy": self.policy_panel, "metrics": self.metrics,
-                 "timeline": self.timeline, "ring": self.ring}
+                 "timeline": self.timeline, "ring": self.ring, "quest": self.quest}
         self.docks: dict[str, QDockWidget] = {}
         for name, title, area in DOCS:
             dock = QDockWidget(title, self)
@@ -109,6 +112,8 @@ class MainWindow(QMainWindow):
         # bottom: the metrics row over the timeline and the ring, side by side
         self.splitDockWidget(self.docks["metrics"], self.docks["timeline"], Qt.Orientation.Vertical)
         self.splitDockWidget(self.docks["timeline"], self.docks["ring"], Qt.Orientation.Horizontal)
+        self.tabifyDockWidget(self.docks["ring"], self.docks["quest"])     # Quest picks: a tab beside the ring
+        self.docks["ring"].raise_()
         self.resizeDocks([self.docks["document"], self.docks["policy"]], [380, 330], Qt.Orientation.Horizontal)
         self.resizeDocks([self.docks["timeline"], self.docks["ring"]], [700, 420], Qt.Orientation.Horizontal)
         self.resizeDocks([self.docks["metrics"], self.docks["timeline"]], [50, 300], Qt.Orientation.Vertical)
@@ -352,7 +357,7 @@ class MainWindow(QMainWindow):
         restart = max((i for i in range(len(steps)) if numbers[i + 1] <= numbers[i]), default=None)
         if restart is not None:
             steps = steps[restart:]
-            for view in (self.timeline, self.ring):
+            for view in (self.timeline, self.ring, self.quest):
                 view.clear()
             self._recent.clear()
             self.metrics.clear()
@@ -360,6 +365,7 @@ class MainWindow(QMainWindow):
         self._recent.extend(steps)
         self.timeline.append_steps(steps)
         self.ring.append_steps(steps)
+        self.quest.append_steps(steps)
         self.metrics.update_from_steps(self._recent)
         offload = self.model_info.get("mode", "gpu") != "gpu"
         for step in reversed(steps):
@@ -395,11 +401,12 @@ class MainWindow(QMainWindow):
                 "system_prompt": self.chat.system_prompt()}
 
     def export_bundle(self, folder: Path) -> Path:
-        """Write window.png, timeline/ring/metrics/chat PNGs, trace.json (the last turn), chat.md, chat.json and
+        """Write window.png, timeline/ring/quest/metrics/chat PNGs, trace.json (the last turn), chat.md, chat.json and
         config.json into `folder`, or into a new timestamped subfolder when `folder` is not empty; returns it."""
         out = bundle_folder(Path(folder))
         steps = None if "ask" in self._pending else list(self.worker.turn_steps)   # never read while it changes
-        views = {"timeline": self.timeline, "ring": self.ring, "metrics": self.metrics, "chat": self.chat}
+        views = {"timeline": self.timeline, "ring": self.ring, "quest": self.quest, "metrics": self.metrics,
+                 "chat": self.chat}
         write_bundle(out, self.grab(), views, self.chat, steps, self.describe())
         return out
 

@@ -82,7 +82,7 @@ def test_window_opens_and_loads_the_model(window, qtbot, default_model_dir, doc)
     assert "/ 2,048 tokens" in window.document_panel.context_text()
     assert window.worker.engine_config == engine_kwargs(window.policy_panel.config(), window.engine_overrides)
     assert {d.windowTitle() for d in window.docks.values()} == {"Document", "Policy", "Timeline", "Ring buffer",
-                                                                 "Metrics"}
+                                                                 "Metrics", "Quest"}
     menus = {a.text().replace("&", ""): a.menu() for a in window.menuBar().actions()}
     assert set(menus) == {"File", "View", "Help"}
     view_items = [a.text().replace("&", "") for a in menus["View"].actions()]
@@ -143,8 +143,8 @@ def test_stop_ends_a_long_answer_quickly_and_the_window_stays_usable(window, qtb
 def test_export_bundle(window, tmp_path):
     out = window.export_bundle(tmp_path / "bundle")
     assert out == tmp_path / "bundle"
-    for name in ("window.png", "timeline.png", "ring.png", "metrics.png", "chat.png", "trace.json", "chat.md",
-                 "chat.json", "config.json"):
+    for name in ("window.png", "timeline.png", "ring.png", "quest.png", "metrics.png", "chat.png", "trace.json",
+                 "chat.md", "chat.json", "config.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     trace = json.loads((out / "trace.json").read_text())
     assert check_chrome_trace(trace) == []
@@ -155,6 +155,38 @@ def test_export_bundle(window, tmp_path):
     before = (out / "chat.md").read_bytes()
     again = window.export_bundle(tmp_path / "bundle")                  # not empty now: a new subfolder
     assert again.parent == out and (again / "window.png").is_file() and (out / "chat.md").read_bytes() == before
+
+
+def test_quest_view_shows_the_pages_quest_picked(window, qtbot, tmp_path, doc):
+    # Quest is sparse only where the context holds more pages than the budget: a longer document (> 400 tokens,
+    # several 64-token blocks past a 256-token budget), opened for this test and closed again after it
+    long_doc = tmp_path / "planning-long.md"
+    long_doc.write_text(DOC_TEXT + "\n" + WORDS * 3)
+    window.open_document(str(long_doc))
+    qtbot.waitUntil(lambda: window.document_panel.document_name() == long_doc.name and not window.is_busy(),
+                    timeout=30_000)
+    assert window.document_panel.token_count() > 400
+    panel = window.policy_panel
+    panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
+    panel.block_size.setCurrentIndex(panel.block_size.findData(64))
+    panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("quest"))
+    params = panel._params["quest"]
+    params["token_budget"].setValue(256)
+    params["page_size"].setCurrentIndex(params["page_size"].findData(16))
+    window.docks["quest"].raise_()
+    try:
+        ask(qtbot, window, QUESTION)
+        assert window.worker.engine_config["policy"] == "quest" and window.worker.engine_config["kv_block_size"] == 64
+        qtbot.waitUntil(lambda: not window.quest.showing_hint(), timeout=5000)
+        step = window.quest.current_step()
+        assert step.quest and all(len(p.blocks) < p.n_blocks for p in step.quest)
+        assert window.quest.image().shape[0] == len({p.layer for p in step.quest}) and window.quest.image().any()
+        assert f"step {step.step}" in window.quest.caption.text()
+    finally:
+        panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("full"))
+        window.open_document(str(doc))
+        qtbot.waitUntil(lambda: window.document_panel.document_name() == doc.name and not window.is_busy(),
+                        timeout=30_000)
 
 
 def test_a_bad_document_shows_its_error_in_the_document_panel(window, qtbot, tmp_path, doc):
