@@ -54,6 +54,8 @@ class LayerwiseRunner(OffloadRunner):
         h, residual, pos, (cos, sin) = self._inputs(seq, start, end)
         slots = torch.stack([pos // bs, pos % bs])
         context = None if is_prefill else torch.full((1,), end, dtype=torch.long, device=self.device)
+        if is_prefill:
+            self._chosen.clear()     # a new sequence: selections are made again from its own queries
         if self._quest is not None:  # the block table on the device, once per step (no host sync per layer)
             pin = self.device.type == "cuda"
             self._table_dev = torch.tensor(table, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
@@ -169,10 +171,10 @@ class LayerwiseRunner(OffloadRunner):
         """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or the next one)."""
         S, N = len(self.streamed), self.oe.ring_slots
         nxt = j + N
-        if nxt < S:
-            layer, blocks, k = self.streamed[nxt], seq.block_table[:n_host], self._steps
+        if nxt < S:  # this step's: dense in a prefill (a stale selection must not leak into it)
+            layer, blocks, k, prefill = self.streamed[nxt], seq.block_table[:n_host], self._steps, is_prefill
         elif not is_prefill and len(seq) < self.max_model_len:         # the next decode step's layers
-            layer, blocks, k = self.streamed[nxt - S], seq.block_table[:n_done], self._steps + 1
+            layer, blocks, k, prefill = self.streamed[nxt - S], seq.block_table[:n_done], self._steps + 1, False
         else:
             return
-        self._load(self.oe.buffer_for(layer, k * S + self.streamed.index(layer)), layer, blocks, False)
+        self._load(self.oe.buffer_for(layer, k * S + self.streamed.index(layer)), layer, blocks, prefill)

@@ -112,3 +112,17 @@ def test_quest_is_refused_where_it_cannot_run(default_model_dir):
         LLM(str(default_model_dir), device="cpu", mode="gpu", policy="quest")
     with pytest.raises(ConfigError, match="page_size"):
         LLM(str(default_model_dir), device="cpu", mode="layerwise", policy="quest", policy_params={"page_size": 24})
+
+
+def test_quest_requests_in_turn_answer_as_in_a_fresh_engine(default_model_dir, quest_llm):
+    """Two prompts sharing cached blocks, one after the other: the second one's prefill is dense and unaffected
+    by the first one's page selections (a stale selection once leaked into a prefill and garbled answers)."""
+    shared = list(range(4000, 4000 + 640))
+    first, second = shared + list(range(100, 160)), shared + list(range(200, 230))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    quest_llm.generate([first], params)
+    in_turn = quest_llm.generate([second], params)[0]
+    assert in_turn.stats.cached_tokens == 640
+    fresh = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
+                policy="quest", policy_params=QUEST).generate([second], params)[0]
+    assert in_turn.token_ids == fresh.token_ids
