@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QSlide
 
 from engine.trace.events import DECODE, QuestPick, StepTrace
 from widgets.export import add_export_actions
-from widgets.trace_common import KIND_COLORS, fmt_pct
+from widgets.trace_common import KIND_COLORS, fmt_pct, show_hover
 
 NO_PICKS_HINT = "no Quest picks: choose the Quest policy in layerwise mode"
 PICK_COLOR = KIND_COLORS["layer"]
@@ -289,14 +289,4 @@ class QuestView(QWidget):
         return "\n".join(lines)
 
     def _on_mouse_moved(self, scene_pos) -> None:
-        if not self.viewbox.sceneBoundingRect().contains(scene_pos):
-            self.hover_text = ""
-            QToolTip.hideText()
-            return
-        p = self.viewbox.mapSceneToView(scene_pos)
-        self.hover_text = self.tooltip_at(p.x(), p.y())
-        if self.hover_text:
-            view_pos = self.plot.mapFromScene(scene_pos)
-            QToolTip.showText(self.plot.mapToGlobal(QPoint(view_pos.x(), view_pos.y())), self.hover_text, self.plot)
-        else:
-            QToolTip.hideText()
+        self.hover_text = show_hover(self.plot, self.viewbox, scene_pos, self.tooltip_at)

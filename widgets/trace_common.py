@@ -232,17 +232,7 @@ class TracePlot(QWidget):
 
     # ---------------------------------------------------------------- hover
     def _on_mouse_moved(self, scene_pos) -> None:
-        if not self.viewbox.sceneBoundingRect().contains(scene_pos):
-            self.hover_text = ""
-            QToolTip.hideText()
-            return
-        p = self.viewbox.mapSceneToView(scene_pos)
-        self.hover_text = self.tooltip_at(p.x(), p.y())
-        if self.hover_text:
-            view_pos = self.plot.mapFromScene(scene_pos)
-            QToolTip.showText(self.plot.mapToGlobal(QPoint(view_pos.x(), view_pos.y())), self.hover_text, self.plot)
-        else:
-            QToolTip.hideText()
+        self.hover_text = show_hover(self.plot, self.viewbox, scene_pos, self.tooltip_at)
 
     def row_at(self, y: float) -> int | None:
         row = int(round(y))
@@ -267,3 +257,18 @@ class TracePlot(QWidget):
 
     def refresh_overlays(self) -> None:
         """Recompute what depends on the visible range (labels, summaries)."""
+
+
+def show_hover(plot, viewbox, scene_pos, tooltip_at) -> str:
+    """Show `tooltip_at(x, y)` (data coordinates) as a tooltip at the mouse over a plot; -> the text ("" = none)."""
+    if not viewbox.sceneBoundingRect().contains(scene_pos):
+        QToolTip.hideText()
+        return ""
+    p = viewbox.mapSceneToView(scene_pos)
+    text = tooltip_at(p.x(), p.y())
+    if text:
+        view_pos = plot.mapFromScene(scene_pos)
+        QToolTip.showText(plot.mapToGlobal(QPoint(view_pos.x(), view_pos.y())), text, plot)
+    else:
+        QToolTip.hideText()
+    return text
