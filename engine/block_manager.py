@@ -110,6 +110,15 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids = -1, []
 
+    def forget_cached(self) -> None:
+        """Drop every prefix-cache key; blocks in use keep their contents, free ones become clean."""
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, []
+        self.hash_to_block.clear()
+        for block_id in self.cached:
+            heapq.heappush(self.clean, block_id)
+        self.cached.clear()
+
     def deallocate(self, seq: Sequence) -> None:
         for block_id in seq.block_table:  # in order: cached blocks are handed out again in ascending runs
             block = self.blocks[block_id]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ class GenerationStats:
     finish_reason: str          # stop | length | cancelled
     bytes_h2d: int = 0          # KV bytes moved host -> device for this request (offload modes)
     bytes_d2h: int = 0          # KV bytes moved device -> host
+    policy: dict = field(default_factory=dict)  # the sparse policy's figures (density, pages selected, ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +105,17 @@ class LLM:
             if self.plan is not None:
                 progress(1.0, self.plan.describe())
             progress(1.0, "ready")
+
+    def set_policy(self, name: str, params: dict | None = None) -> None:
+        """Switch the sparse policy between requests. The prefix cache is dropped: KV (and Quest's page metadata)
+        made under another policy would otherwise be reused, and the next prompt would not really run the new one."""
+        from engine.sparse import make_policy
+        if not self.scheduler.is_finished():
+            raise ConfigError("the policy cannot change while a request runs: stop it or wait for the answer")
+        policy = make_policy(name, params, self.config.mode)
+        self.runner.set_policy(policy)
+        self.block_manager.forget_cached()
+        self.config.policy, self.config.policy_params = name, dict(params or {})
 
     @property
     def recorder(self) -> Recorder:
@@ -253,7 +265,7 @@ class LLM:
             self.step()
         if self._recorder.enabled:
             self._recorder.flush()
-        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s)) for s in seqs]
+        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s, self.runner.policy.stats())) for s in seqs]
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
                progress: Progress | None = None) -> Iterator[StreamChunk]:
@@ -294,7 +306,7 @@ class LLM:
                 self.cancel(seq)
             if rec.enabled:
                 rec.flush()
-        yield StreamChunk("", _stats(seq))
+        yield StreamChunk("", _stats(seq, self.runner.policy.stats()))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -316,7 +328,7 @@ class _Detokenizer:
         return after[len(before):]
 
 
-def _stats(seq: Sequence) -> GenerationStats:
+def _stats(seq: Sequence, policy: dict) -> GenerationStats:
     end = seq.t_last_token or time.perf_counter()
     first = seq.t_first_token or end
     prefill_s = first - (seq.t_prefill_start or first)
@@ -328,13 +340,11 @@ def _stats(seq: Sequence) -> GenerationStats:
         prefill_tok_s=computed / prefill_s if prefill_s > 0 else 0.0,
         decode_tok_s=decode_n / (end - first) if decode_n > 0 and end > first else 0.0,
         total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled",
-        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h)
+        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, policy=policy)
 
 
 def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, rec: Recorder):
     if cfg.mode == "gpu":
-        from engine.sparse import make_policy
-        make_policy(cfg.policy, cfg.policy_params, cfg.mode)  # refuses a policy gpu mode cannot run
         return ModelRunner(model, cfg, device, dtype, max_model_len, rec)
     from engine.offload import ChunkedRunner, LayerwiseRunner
     runner = (LayerwiseRunner if cfg.mode == "layerwise" else ChunkedRunner)(model, cfg, device, dtype, max_model_len, rec)

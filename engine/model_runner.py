@@ -16,6 +16,7 @@ from engine.layers.sampler import Sampler
 from engine.models.llama import CausalLM
 from engine.ops.attention import AttnMetadata
 from engine.sequence import Sequence
+from engine.sparse import KVLayout, SparsePolicy, make_policy
 from engine.trace.events import COMPUTE, HOST
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -74,6 +75,7 @@ class ModelRunner:
         self.sampler = Sampler(device)
         with recorder.span(HOST, "allocate KV cache"):
             self.num_blocks = self._allocate_kv_cache()
+        self.set_policy(make_policy(config.policy, config.policy_params, "gpu"))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.traced_graphs: dict[int, list[tuple]] = {}  # b -> two (graph, spans) copies with per-layer events
         self._graph_pool = None
@@ -88,6 +90,18 @@ class ModelRunner:
     @recorder.setter
     def recorder(self, rec: Recorder) -> None:
         self._recorder = self.model.recorder = rec
+        if hasattr(self, "policy"):
+            self.policy.recorder = rec
+
+    def set_policy(self, policy: SparsePolicy) -> None:
+        """The sparse policy of the next requests (gpu mode: prefill policies; decode reads the whole cache)."""
+        a = self.args
+        policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.device,
+                                   self.dtype, self.num_blocks))
+        policy.recorder = self._recorder
+        self.policy = policy
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.policy, layer.self_attn.attn.layer_id = policy, i
 
     # ---------------------------------------------------------------- KV cache
     @property

@@ -34,12 +34,20 @@ class LayerwiseRunner(OffloadRunner):
         self.streamed = self.plan.streamed
         self._steps = 0  # ring positions continue across steps: streamed layer j of step k is at k * S + j
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
-        self._quest = self.policy if self.policy.requires_block_selection else None
         self._chosen: dict[int, torch.Tensor] = {}     # layer -> pages [Hkv, k] for its next load
         self._chosen_version: dict[int, int] = {}      # layer -> selections made (a load's identity)
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks) when loaded by pages
         return oe
+
+    @property
+    def _quest(self):
+        return self.policy if self.policy.requires_block_selection else None
+
+    def set_policy(self, policy) -> None:
+        super().set_policy(policy)
+        if hasattr(self, "_chosen"):
+            self._chosen.clear()     # selections belong to the policy that made them
 
     def _buffer(self, layer: int) -> int:
         j = self.streamed.index(layer) if layer not in self.oe.resident else 0

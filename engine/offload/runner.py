@@ -43,10 +43,8 @@ class OffloadRunner:
                 raise ConfigError(f"host_kv_gb {config.host_kv_gb} holds no block of {self.block_bytes / 2**20:.1f} MiB")
         else:
             self.num_blocks = self.max_blocks_per_seq + 1
-        self.policy = policy or make_policy(config.policy, config.policy_params, config.mode)
-        self.policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, bs, device, dtype,
-                                         self.num_blocks))
         self._recorder = recorder
+        self.set_policy(policy or make_policy(config.policy, config.policy_params, config.mode))
         with recorder.span(HOST, "allocate KV (host pool + device buffers)"):
             self.oe = self._make_offload_engine()
         self.recorder = recorder
@@ -67,9 +65,17 @@ class OffloadRunner:
 
     @recorder.setter
     def recorder(self, rec: Recorder) -> None:
-        self._recorder = self.model.recorder = self.oe.recorder = rec
+        self._recorder = self.model.recorder = self.oe.recorder = self.policy.recorder = rec
         if rec.enabled and self.device.type == "cpu":
             rec.device = "cpu (threaded copies)"  # what the views print: copies overlap compute on threads
+
+    def set_policy(self, policy: SparsePolicy) -> None:
+        """The sparse policy of the next requests (between requests only)."""
+        a = self.args
+        policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.device,
+                                   self.dtype, self.num_blocks))
+        policy.recorder = self._recorder
+        self.policy = policy
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         if len(seqs) != 1:

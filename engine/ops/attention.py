@@ -49,9 +49,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, Hq, D] over their sequence's prefix + themselves."""
-    if flash_attn_varlen_func is not None and q.is_cuda and not meta.has_prefix:  # its paged mode wants token-major
+def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, attend=None) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, Hq, D] over their sequence's prefix + themselves.
+    `attend(q, k, v)` replaces dense causal attention per sequence (a sparse policy's prefill)."""
+    if attend is None and flash_attn_varlen_func is not None and q.is_cuda and not meta.has_prefix:  # its paged mode wants token-major
         return flash_attn_varlen_func(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, max(meta.q_lens),
                                       max(meta.q_lens), softmax_scale=scale, causal=True)
     out = torch.empty_like(q)
@@ -63,7 +64,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: floa
         else:
             ki = gather_kv(k_cache, meta.block_tables[i], k_len)
             vi = gather_kv(v_cache, meta.block_tables[i], k_len)
-        out[start:start + q_len] = causal_attention(qi, ki, vi, scale)
+        out[start:start + q_len] = causal_attention(qi, ki, vi, scale) if attend is None else attend(qi, ki, vi)
         start += q_len
     return out
 

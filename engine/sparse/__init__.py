@@ -1,10 +1,17 @@
-"""Sparse attention policies (DESIGN.md §2.3): the hooks the offload modes call."""
+"""Sparse attention policies (DESIGN.md §2.3): the hooks the engine's modes call."""
 from engine.errors import ConfigError
-from engine.sparse.policy import FullPolicy, KVLayout, PolicyContext, SparsePolicy
+from engine.sparse.minference import MInferencePolicy
+from engine.sparse.policy import FullPolicy, KVLayout, PolicyContext, SparsePolicy, SparsePrefillPolicy
 from engine.sparse.quest import QuestPolicy
+from engine.sparse.xattention import XAttentionPolicy
 
-POLICY_CLASSES = {"full": FullPolicy, "quest": QuestPolicy}
-POLICY_MODES = {"full": ("gpu", "layerwise", "chunked"), "quest": ("layerwise",)}
+POLICY_CLASSES = {"full": FullPolicy, "quest": QuestPolicy, "minference": MInferencePolicy,
+                  "xattention": XAttentionPolicy}
+POLICY_MODES = {"full": ("gpu", "layerwise", "chunked"), "quest": ("layerwise",),
+                "minference": ("gpu", "layerwise"), "xattention": ("gpu", "layerwise")}
+_WHY = {"quest": "it picks which host KV pages to load at each decode step",
+        "minference": "it needs a layer's whole prompt at once to estimate its pattern",
+        "xattention": "it needs a layer's whole prompt at once to score its blocks"}
 
 
 def make_policy(name: str, params: dict | None, mode: str) -> SparsePolicy:
@@ -12,12 +19,14 @@ def make_policy(name: str, params: dict | None, mode: str) -> SparsePolicy:
     if name not in POLICY_CLASSES:
         raise ConfigError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_CLASSES)}")
     if mode not in POLICY_MODES[name]:
-        raise ConfigError(f"the {name} policy runs in {' or '.join(POLICY_MODES[name])} mode, not {mode}: it picks "
-                          "which host KV pages to load at each decode step (choose --mode layerwise)")
+        modes = " or ".join(POLICY_MODES[name])
+        raise ConfigError(f"the {name} policy runs in {modes} mode, not {mode}: {_WHY[name]} "
+                          f"(choose --mode {POLICY_MODES[name][-1]})")
     try:
         return POLICY_CLASSES[name](**(params or {}))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{name} policy: {e}") from None
 
 
-__all__ = ["FullPolicy", "KVLayout", "PolicyContext", "QuestPolicy", "SparsePolicy", "make_policy", "POLICY_CLASSES"]
+__all__ = ["FullPolicy", "KVLayout", "MInferencePolicy", "PolicyContext", "QuestPolicy", "SparsePolicy",
+           "SparsePrefillPolicy", "XAttentionPolicy", "make_policy", "POLICY_CLASSES", "POLICY_MODES"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.ops.attention import causal_attention
+from engine.ops.sparse_prefill import causal_pairs
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
 
@@ -42,6 +43,11 @@ class SparsePolicy(ABC):
     supports_decode = False
     requires_block_selection = False
     one_call_bytes = 2**29  # dense prefill: q up to 512 MiB (32K tokens of Qwen3-4B) in one call, longer per head
+    recorder: Recorder = NULL_RECORDER  # set by the runner: where the policy reports its decisions
+
+    def stats(self) -> dict:
+        """The policy's figures for the last request (JSON-ready): density, pages selected, ..."""
+        return {}
 
     def initialize(self, layout: KVLayout) -> None:
         self.layout = layout
@@ -70,6 +76,53 @@ class SparsePolicy(ABC):
 
     def on_decode_offload(self, block_id: int, layer_id: int, keys: torch.Tensor, valid_tokens: int) -> None:
         pass
+
+
+class SparsePrefillPolicy(SparsePolicy):
+    """A policy that computes prefill attention on a sparse pattern (MInference, XAttention), dense below
+    `min_len` keys or when too few queries are new. Subclasses give `sparse_attention` -> (out, pairs computed
+    per head, pattern) and `record` (the pattern and its density per head to the trace); this keeps the density
+    per layer of the last prefill."""
+    supports_prefill = True
+
+    def __init__(self, min_len: int):
+        if min_len < 1:
+            raise ValueError(f"min_len must be >= 1 (got {min_len})")
+        self.min_len = min_len
+        self._pairs: dict[int, tuple[torch.Tensor, int]] = {}   # layer -> (pairs per head, dense causal pairs)
+
+    def reset(self) -> None:
+        self._pairs.clear()
+
+    def sparse_attention(self, q, k, v, layer_id: int, scale: float):
+        raise NotImplementedError
+
+    def record(self, layer_id: int, pattern, density: list[float], n: int) -> None:
+        raise NotImplementedError
+
+    def prefill_attention(self, q, k, v, layer_id, scale):
+        if k.shape[0] < self.min_len or q.shape[0] < 64:
+            self._pairs.pop(layer_id, None)
+            return super().prefill_attention(q, k, v, layer_id, scale)
+        out, pairs, pattern = self.sparse_attention(q, k, v, layer_id, scale)
+        self._pairs[layer_id] = (pairs, causal_pairs(q.shape[0], k.shape[0]))
+        if self.recorder.enabled:
+            self.record(layer_id, pattern, self.density(layer_id), k.shape[0])
+        return out
+
+    def density(self, layer_id: int) -> list[float] | None:
+        """Per head: the fraction of causal (query, key) pairs computed in this layer's last sparse prefill."""
+        if layer_id not in self._pairs:
+            return None
+        pairs, dense = self._pairs[layer_id]
+        return (pairs.double() / dense).tolist()
+
+    def stats(self) -> dict:
+        if not self._pairs:
+            return {"sparse_layers": 0, "density": 1.0}
+        per_layer = {l: sum(self.density(l)) / len(self.density(l)) for l in sorted(self._pairs)}
+        return {"sparse_layers": len(per_layer), "density": sum(per_layer.values()) / len(per_layer),
+                "density_per_layer": {str(l): round(d, 4) for l, d in per_layer.items()}}
 
 
 class FullPolicy(SparsePolicy):

@@ -1,0 +1,262 @@
+"""Sparse prefill attention: vertical-slash (MInference) and block-sparse (XAttention) patterns.
+
+A pattern says, per query head, which (query, key) pairs are computed; the causal mask applies on top and every
+other pair is skipped. Each pattern runs as a Triton kernel on CUDA and, elsewhere, as a torch expression of the
+same mask (exact for the same pattern at dense cost: the CPU path and the test reference). Both also count the
+pairs they computed per head, so the density a policy reports is what ran.
+
+Queries are the last Tq of Tk positions (q row i sits at position offset + i, offset = Tk - Tq); a query block m
+holds q rows [m*BM, (m+1)*BM), its first position is m0 = offset + m*BM. GQA-native: query head h reads kv head
+h // G in place; K/V are never repeated.
+
+Vertical-slash, per query head: sorted slash diagonals d (key = query position - d) and sorted vertical columns.
+In query block m the diagonal d covers the keys [m0 - d, m0 - d + BM - 1] (every row of the block sees the whole
+run: MInference's block approximation, which keeps the kernel on contiguous tiles). Diagonals less than BM+1
+apart give touching runs, merged into groups (d_lo, d_hi) that cover [m0 - d_hi, m0 - d_lo + BM - 1]. A vertical
+column adds itself wherever no run covers it already. So (row r, key c) is computed iff c <= r and
+(t = m0 - c lies in some [d - BM + 1, d] or c is a vertical column). `covered` holds that first test as a table
+over t, shared by the kernel (to skip covered verticals) and the reference.
+
+Block-sparse: (row r, key c) is computed iff c <= r and key block c // B is selected for query block (r - offset) // B.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the references
+    triton = None
+
+_LOG2E = 1.4426950408889634
+_BIG = 2**30
+
+
+@dataclass
+class VerticalSlash:
+    vertical: torch.Tensor   # [Hq, NV] int32 key positions, sorted
+    slash: torch.Tensor      # [Hq, NS] int32 diagonals, sorted
+    block: int               # BM: query rows per block (and the run length of a diagonal)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merged runs: d_lo, d_hi [Hq, NG] int32 sorted, padded with a large value past each head's groups."""
+        d = self.slash.long()
+        new = torch.ones_like(d, dtype=torch.bool)
+        new[:, 1:] = d[:, 1:] - d[:, :-1] > self.block
+        last = torch.ones_like(new)
+        last[:, :-1] = new[:, 1:]
+        d_lo = torch.where(new, d, _BIG).sort(dim=1).values
+        d_hi = torch.where(last, d, _BIG).sort(dim=1).values
+        n = int(new.sum(dim=1).max()) if d.numel() else 0
+        return d_lo[:, :n].int().contiguous(), d_hi[:, :n].int().contiguous()
+
+    def covered(self, tk: int) -> torch.Tensor:
+        """[Hq, tk + BM] bool: entry t + BM - 1 says whether offset t = m0 - c lies in a diagonal's run."""
+        bm, d = self.block, self.slash.long()
+        diff = torch.zeros(d.shape[0], tk + 2 * bm + 1, dtype=torch.int32, device=d.device)
+        ones = torch.ones_like(d, dtype=torch.int32)
+        diff.scatter_add_(1, d.clamp(max=tk + bm), ones)               # run of d starts at t = d - BM + 1
+        diff.scatter_add_(1, (d + bm).clamp(max=tk + 2 * bm), -ones)  # and ends after t = d
+        return diff.cumsum(dim=1)[:, :tk + bm] > 0
+
+
+def causal_pairs(tq: int, tk: int) -> int:
+    """(query, key) pairs of dense causal attention for the last tq of tk positions."""
+    off = tk - tq
+    return tq * (off + 1) + tq * (tq - 1) // 2
+
+
+# ------------------------------------------------------------------------------------------------ torch reference
+def _masked_attention(q, k, v, scale, mask_rows, chunk=1024):
+    """Attention under mask_rows(h, rows) -> [len(rows), Tk] bool, one head and row chunk at a time, fp32."""
+    tq, hq, _ = q.shape
+    g = hq // k.shape[1]
+    out = torch.empty_like(q)
+    pairs = torch.zeros(hq, dtype=torch.int64)
+    for h in range(hq):
+        kh, vh = k[:, h // g].float(), v[:, h // g].float()
+        for a in range(0, tq, chunk):
+            rows = torch.arange(a, min(tq, a + chunk), device=q.device)
+            m = mask_rows(h, rows)
+            s = (q[rows, h].float() @ kh.T) * scale
+            s.masked_fill_(~m, float("-inf"))
+            p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+            out[rows, h] = (p @ vh).to(q.dtype)
+            pairs[h] += int(m.sum())
+    return out, pairs
+
+
+def vertical_slash_reference(q, k, v, pat: VerticalSlash, scale: float):
+    tq, tk, bm = q.shape[0], k.shape[0], pat.block
+    off = tk - tq
+    cov = pat.covered(tk)
+    isv = torch.zeros(q.shape[1], tk, dtype=torch.bool, device=q.device)
+    isv.scatter_(1, pat.vertical.long(), True)
+    cols = torch.arange(tk, device=q.device)
+
+    def mask(h, rows):
+        m0 = off + rows // bm * bm
+        t = m0[:, None] - cols[None]
+        m = cov[h][(t + bm - 1).clamp(0, tk + bm - 1)] & (t > -bm) | isv[h][None]
+        return m & (cols[None] <= (off + rows)[:, None])
+    return _masked_attention(q, k, v, scale, mask)
+
+
+def block_sparse_reference(q, k, v, blocks: torch.Tensor, block: int, scale: float):
+    """blocks [Hq, nQB, nKB] bool."""
+    tq, tk = q.shape[0], k.shape[0]
+    off = tk - tq
+    cols = torch.arange(tk, device=q.device)
+
+    def mask(h, rows):
+        return blocks[h][rows // block][:, cols // block] & (cols[None] <= (off + rows)[:, None])
+    return _masked_attention(q, k, v, scale, mask)
+
+
+# ------------------------------------------------------------------------------------------------ Triton kernels
+if triton is not None:
+    @triton.jit
+    def _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, ok, pos, row_ok, sk_t, sv_t, offs_d, qk_scale):
+        """One tile of BN keys at `cols` (ok: which exist) into the online softmax of the block's rows."""
+        c64 = cols.to(tl.int64)
+        kt = tl.load(k_ptr + c64[None, :] * sk_t + offs_d[:, None], mask=ok[None, :], other=0.0)     # [D, BN]
+        keep = ok[None, :] & (cols[None, :] <= pos[:, None]) & row_ok[:, None]
+        s = tl.where(keep, tl.dot(q, kt) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        vt = tl.load(v_ptr + c64[:, None] * sv_t + offs_d[None, :], mask=ok[:, None], other=0.0)     # [BN, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        return acc, m_new, l_i * alpha + tl.sum(p, 1), n_pairs + tl.sum(keep.to(tl.int32))
+
+    @triton.jit
+    def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, tq, offset, n_vert, n_grp, cov_len, qk_scale,
+                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+                   G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        m, h = tl.program_id(0), tl.program_id(1)
+        n_mb = tl.num_programs(0)
+        rows = m * BM + tl.arange(0, BM)
+        row_ok = rows < tq
+        pos = offset + rows
+        m0 = offset + m * BM
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + rows[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        k_ptr = K + (h // G).to(tl.int64) * sk_h
+        v_ptr = V + (h // G).to(tl.int64) * sv_h
+        acc = tl.zeros((BM, D), dtype=tl.float32)
+        m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BM,), dtype=tl.float32)
+        n_pairs = tl.sum(tl.zeros((BM,), dtype=tl.int32))
+        for gi in range(0, tl.load(GCNT + h * n_mb + m)):                   # slash runs, contiguous tiles
+            lo = tl.load(DLO + h * n_grp + gi)
+            hi = tl.load(DHI + h * n_grp + gi)
+            end = tl.minimum(m0 - lo + BM, offset + tq)                     # never past the last key
+            for n in range(tl.maximum(m0 - hi, 0), end, BN):
+                cols = n + tl.arange(0, BN)
+                acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos, row_ok,
+                                               sk_t, sv_t, offs_d, qk_scale)
+        n_v = tl.load(VCNT + h * n_mb + m)
+        for j in range(0, n_v, BN):                                           # vertical columns no run covers
+            idx = j + tl.arange(0, BN)
+            ok = idx < n_v
+            cols = tl.load(VERT + h * n_vert + idx, mask=ok, other=0)
+            cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
+            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, ok & (cov == 0), pos, row_ok,
+                                           sk_t, sv_t, offs_d, qk_scale)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(PAIRS + h * n_mb + m, n_pairs)
+
+    @triton.jit
+    def _bs_kernel(Q, K, V, O, IDX, CNT, PAIRS, tq, tk, offset, max_k, qk_scale,
+                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+                   G: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        m, h = tl.program_id(0), tl.program_id(1)
+        n_mb = tl.num_programs(0)
+        rows = m * B + tl.arange(0, B)
+        row_ok = rows < tq
+        pos = offset + rows
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + rows[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        k_ptr = K + (h // G).to(tl.int64) * sk_h
+        v_ptr = V + (h // G).to(tl.int64) * sv_h
+        acc = tl.zeros((B, D), dtype=tl.float32)
+        m_i = tl.full((B,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((B,), dtype=tl.float32)
+        n_pairs = tl.sum(tl.zeros((B,), dtype=tl.int32))
+        base = (h * n_mb + m).to(tl.int64) * max_k
+        for j in range(0, tl.load(CNT + h * n_mb + m)):
+            kb = tl.load(IDX + base + j)
+            for n in range(0, B, BN):
+                cols = kb * B + n + tl.arange(0, BN)
+                acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos, row_ok,
+                                               sk_t, sv_t, offs_d, qk_scale)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(PAIRS + h * n_mb + m, n_pairs)
+
+
+def _check(q, k, v):
+    d = q.shape[-1]
+    if d & (d - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("sparse prefill kernel: head_dim must be a power of two with contiguous last dims")
+
+
+def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: int = 64):
+    _check(q, k, v)
+    (tq, hq, d), tk, bm = q.shape, k.shape[0], pat.block
+    off, n_mb = tk - tq, -(-tq // bm)
+    d_lo, d_hi = pat.groups()
+    if d_lo.shape[1] == 0:
+        d_lo = d_hi = torch.full((hq, 1), _BIG, dtype=torch.int32, device=q.device)
+    m0 = off + torch.arange(n_mb, device=q.device, dtype=torch.int32) * bm
+    bounds = (m0 + bm).expand(hq, -1).contiguous()
+    vcnt = torch.searchsorted(pat.vertical.contiguous(), bounds).int()     # verticals before the block's end
+    gcnt = torch.searchsorted(d_lo, bounds).int()                          # runs that reach into [0, m0 + BM)
+    cov = pat.covered(tk).to(torch.int8).contiguous()
+    o = torch.empty_like(q)
+    pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
+    vert = pat.vertical.int().contiguous()
+    _vs_kernel[(n_mb, hq)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, tq, off, vert.shape[1],
+                           d_lo.shape[1], cov.shape[1], scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0),
+                           k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+                           G=hq // k.shape[1], BM=bm, BN=block_n, D=d, num_warps=4, num_stages=2)
+    return o, pairs.sum(dim=1, dtype=torch.int64)
+
+
+def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float, block_n: int = 64):
+    _check(q, k, v)
+    (tq, hq, d), tk = q.shape, k.shape[0]
+    cnt = blocks.sum(dim=-1, dtype=torch.int32)
+    max_k = max(1, int(cnt.max()))
+    idx = torch.empty(blocks.shape[:2] + (max_k,), dtype=torch.int32, device=q.device)
+    for h in range(hq):  # one head at a time bounds the int64 sort indices
+        idx[h] = torch.sort((~blocks[h]).to(torch.int8), dim=-1, stable=True).indices[:, :max_k]
+    o = torch.empty_like(q)
+    pairs = torch.empty(hq, blocks.shape[1], dtype=torch.int32, device=q.device)
+    _bs_kernel[(blocks.shape[1], hq)](q, k, v, o, idx, cnt.contiguous(), pairs, tq, tk, tk - tq, max_k,
+                                      scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                      v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+                                      G=hq // k.shape[1], B=block, BN=min(block_n, block), D=d,
+                                      num_warps=4 if block <= 64 else 8, num_stages=2)
+    return o, pairs.sum(dim=1, dtype=torch.int64)
+
+
+def vertical_slash_attention(q, k, v, pat: VerticalSlash, scale: float):
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> ([Tq, Hq, D], pairs computed per head [Hq])."""
+    if q.is_cuda and triton is not None:
+        return vertical_slash_triton(q, k, v, pat, scale)
+    return vertical_slash_reference(q, k, v, pat, scale)
+
+
+def block_sparse_attention(q, k, v, blocks: torch.Tensor, block: int, scale: float):
+    """blocks [Hq, ceil(Tq / block), ceil(Tk / block)] bool -> ([Tq, Hq, D], pairs computed per head [Hq])."""
+    if q.is_cuda and triton is not None:
+        return block_sparse_triton(q, k, v, blocks, block, scale)
+    return block_sparse_reference(q, k, v, blocks, block, scale)

@@ -1,0 +1,74 @@
+"""MInference (Jiang et al., 2024), vertical-slash pattern: prefill attention on the columns and diagonals that matter.
+
+Per query head, the last `last_q` queries (64) attend densely to all keys (causal); summing their attention
+down each key column gives the column scores (vertical lines: keys every later query looks at), summing along
+each diagonal offset d = query position - key position gives the diagonal scores (slash lines: relative
+positions that matter). The top `vertical` columns and `slash` diagonals are kept, the first `sink` columns
+and the `recent` nearest diagonals always. A budget below 1 is a fraction of the keys (adaptive), otherwise a
+count. Below `min_len` keys the layer runs dense. The estimate runs one kv head (its G query heads) at a time:
+its memory is G x last_q x Tk floats (128 MiB at 128K tokens, G = 4), never all heads at once.
+
+The pattern runs in engine.ops.sparse_prefill (Triton on CUDA, torch elsewhere), which also counts the pairs
+each head computed; the kept columns and diagonals and that density go to the trace per (layer, head).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.ops.sparse_prefill import VerticalSlash, vertical_slash_attention
+from engine.sparse.policy import SparsePrefillPolicy
+
+
+class MInferencePolicy(SparsePrefillPolicy):
+    name = "minference"
+
+    def __init__(self, vertical: float = 1000, slash: float = 6096, last_q: int = 64, min_len: int = 8192,
+                 sink: int = 64, recent: int = 128, block: int = 64):
+        super().__init__(min_len)
+        for label, x in (("vertical", vertical), ("slash", slash)):
+            if x <= 0:
+                raise ValueError(f"minference {label} budget must be > 0: a count, or a fraction of the keys below 1 "
+                                 f"(got {x})")
+        if last_q < 16 or block < 16 or block & (block - 1):
+            raise ValueError(f"minference needs last_q >= 16 and a power-of-two block >= 16 (got {last_q}, {block})")
+        self.vertical, self.slash, self.last_q = vertical, slash, last_q
+        self.sink, self.recent, self.block = sink, recent, block
+
+    def budgets(self, tk: int) -> tuple[int, int]:
+        """(vertical columns, slash diagonals) per head for tk keys, forced ones included."""
+        def count(x, forced):
+            n = int(x * tk) if x < 1 else int(x)
+            return max(min(forced, tk), min(n, tk))
+        return count(self.vertical, self.sink), count(self.slash, self.recent)
+
+    @torch.no_grad()
+    def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> VerticalSlash:
+        """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> the pattern per query head."""
+        tk, hkv = k.shape[0], k.shape[1]
+        hq = q.shape[1]
+        g, n = hq // hkv, min(self.last_q, q.shape[0])
+        pos = torch.arange(tk - n, tk, device=q.device)
+        cols = torch.arange(tk, device=q.device)
+        future = cols[None] > pos[:, None]                                    # [n, Tk]
+        diag = (pos[:, None] - cols[None]).clamp_(min=0).flatten()            # [n * Tk]: each entry's diagonal
+        col_score = torch.empty(hq, tk, dtype=torch.float32, device=q.device)
+        diag_score = torch.zeros(hq, tk, dtype=torch.float32, device=q.device)
+        for h in range(hkv):
+            qh = q[-n:, h * g:(h + 1) * g].transpose(0, 1)                   # [G, n, D]
+            a = (qh @ k[:, h].T).float().mul_(scale).masked_fill_(future, float("-inf")).softmax(dim=-1)
+            col_score[h * g:(h + 1) * g] = a.sum(dim=1)
+            diag_score[h * g:(h + 1) * g].scatter_add_(1, diag.expand(g, -1), a.flatten(1))
+        nv, ns = self.budgets(tk)
+        col_score[:, :self.sink] = float("inf")
+        diag_score[:, :self.recent] = float("inf")
+        vertical = col_score.topk(nv, dim=1).indices.sort(dim=1).values.int()
+        slash = diag_score.topk(ns, dim=1).indices.sort(dim=1).values.int()
+        return VerticalSlash(vertical, slash, self.block)
+
+    def sparse_attention(self, q, k, v, layer_id, scale):
+        pat = self.estimate(q, k, scale)
+        return (*vertical_slash_attention(q, k, v, pat, scale), pat)
+
+    def record(self, layer_id, pat: VerticalSlash, density, n):
+        for h, dens in enumerate(density):
+            self.recorder.mask_summary(layer_id, h, pat.vertical[h], pat.slash[h], n, dens)

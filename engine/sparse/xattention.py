@@ -1,0 +1,90 @@
+"""XAttention (Xu et al., 2025): block-sparse prefill attention chosen by antidiagonal scoring.
+
+The attention matrix is cut into B x B blocks (query block m: q rows [m*B, (m+1)*B); key block n: keys
+[n*B, (n+1)*B)). A block's importance is estimated from sums along antidiagonals: inside every S x S cell
+(S = stride) take the S products q[a*S + S-1-i] . k[b*S + i], i = 0..S-1. That sum is one dot product of
+strided, reordered vectors (q rows of a cell reversed and concatenated, k rows concatenated: S*D long), so the
+whole estimate is a matmul of (Tq/S) x (Tk/S): 1/S of dense attention's work. Each strided row's scores (times
+scale / S, the mean) go through a causal softmax; summing them over the cells of a block and normalizing per
+query block gives each key block's share of the query block's attention. Per query block and head, key blocks
+are kept from the largest share down until the kept shares reach the threshold tau; the first key block (the
+sink) and the query block's own diagonal blocks always are. Every antidiagonal crosses every row and column of
+its cell once, so a vertical or a slash line inside a block shows up in its score (the paper's point).
+
+The estimate runs per kv head and per chunk of query blocks (memory G x chunk x Tk/S floats); the selection
+[Hq, Tq/B, Tk/B] runs in engine.ops.sparse_prefill's block-sparse kernel (Triton on CUDA, torch elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops.sparse_prefill import block_sparse_attention
+from engine.sparse.policy import SparsePrefillPolicy
+
+_IMAGE = 128  # the trace gets each head's block mask binned to at most this many rows and columns
+
+
+class XAttentionPolicy(SparsePrefillPolicy):
+    name = "xattention"
+
+    def __init__(self, threshold: float = 0.9, stride: int = 16, block: int = 128, min_len: int = 8192,
+                 chunk_rows: int = 2048):
+        super().__init__(min_len)
+        if not 0 < threshold <= 1:
+            raise ValueError(f"xattention threshold must be in (0, 1] (got {threshold})")
+        if block < 16 or block & (block - 1) or stride < 1 or block % stride:
+            raise ValueError(f"xattention needs a power-of-two block >= 16 that the stride divides (got block {block}, "
+                             f"stride {stride})")
+        self.threshold, self.stride, self.block, self.chunk_rows = threshold, stride, block, chunk_rows
+
+    @torch.no_grad()
+    def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> kept blocks [Hq, nQB, nKB] bool."""
+        (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
+        g, s, b = hq // hkv, self.stride, self.block
+        off, nqb, nkb = tk - tq, -(-tq // b), -(-tk // b)
+        cells = b // s                                                           # strided rows per block
+        keep = torch.zeros(hq, nqb, nkb, dtype=torch.bool, device=q.device)
+        kpos = torch.arange(nkb * cells, device=q.device) * s                    # first key of each strided column
+        qb_per_chunk = max(1, self.chunk_rows // cells)
+        for h in range(hkv):
+            kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s * d)          # [Tk/S, S*D]
+            for m0 in range(0, nqb, qb_per_chunk):
+                m1 = min(nqb, m0 + qb_per_chunk)
+                rows = q[m0 * b:m1 * b, h * g:(h + 1) * g]                                     # [r, G, D]
+                rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
+                qs = rows.reshape(-1, s, g, d).flip(1).permute(2, 0, 1, 3).reshape(g, -1, s * d)  # [G, r/S, S*D]
+                a = (qs @ kh.T).float().mul_(scale / s)                                        # [G, r/S, Tk/S]
+                last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
+                a.masked_fill_(kpos[None, None] > last[None, :, None], float("-inf"))
+                a = a.softmax(dim=-1)
+                a[:, last - s + 1 >= tk] = 0                                      # padding rows past the prompt
+                share = a.reshape(g, m1 - m0, cells, nkb, cells).sum(dim=(2, 4))  # [G, chunk, nKB]
+                share /= share.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+                keep[h * g:(h + 1) * g, m0:m1] = self._select(share)
+        first = (off + torch.arange(nqb, device=q.device) * b) // b             # the diagonal: a query block's own
+        lastb = (off + torch.clamp(torch.arange(1, nqb + 1, device=q.device) * b, max=tq) - 1) // b  # key blocks
+        n = torch.arange(nkb, device=q.device)
+        keep |= ((n[None] >= first[:, None]) & (n[None] <= lastb[:, None]))[None]
+        keep[:, :, 0] = True
+        return keep
+
+    def _select(self, share: torch.Tensor) -> torch.Tensor:
+        """Keep the largest shares of each row until they sum to the threshold."""
+        p, order = share.sort(dim=-1, descending=True)
+        before = p.cumsum(dim=-1) - p
+        kept = (before < self.threshold) & (p > 0)
+        return torch.zeros_like(kept).scatter_(-1, order, kept)
+
+    def sparse_attention(self, q, k, v, layer_id, scale):
+        blocks = self.estimate(q, k, scale)
+        return (*block_sparse_attention(q, k, v, blocks, self.block, scale), blocks)
+
+    def record(self, layer_id, blocks: torch.Tensor, density, n):
+        hq, nqb, nkb = blocks.shape
+        f = max(1, -(-max(nqb, nkb) // _IMAGE))                                 # binned picture, at most _IMAGE
+        img = F.avg_pool2d(blocks.float()[:, None], f, ceil_mode=True)[:, 0].mul_(255).to(torch.uint8)
+        empty = torch.zeros(0, dtype=torch.int32)
+        for h, dens in enumerate(density):
+            self.recorder.mask_summary(layer_id, h, empty, empty, n, dens, image=img[h])

@@ -1,0 +1,137 @@
+"""Sparse prefill kernels (vertical-slash, block-sparse): Triton (interpreter on CPU) and torch vs dense masked math."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede any `import triton`
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.ops.sparse_prefill import (VerticalSlash, block_sparse_reference, causal_pairs,  # noqa: E402
+                                       vertical_slash_reference)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEV == "cuda" else [torch.float32]  # the interpreter's tl.dot
+                                                                                # mishandles bf16 (Triton 3.9)
+
+
+def dense_masked(q, k, v, allowed, scale):
+    """The definition: softmax over the allowed keys of each (row, head); allowed [Hq, Tq, Tk]."""
+    g = q.shape[1] // k.shape[1]
+    kk = k.float().repeat_interleave(g, dim=1).transpose(0, 1)       # [Hq, Tk, D] (the test may repeat)
+    vv = v.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    s = q.float().transpose(0, 1) @ kk.transpose(1, 2) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return (s.softmax(-1) @ vv).transpose(0, 1)
+
+
+def vs_allowed(pat: VerticalSlash, tq, tk):
+    """Vertical-slash pattern written out element by element from its definition."""
+    off, bm = tk - tq, pat.block
+    allowed = torch.zeros(pat.vertical.shape[0], tq, tk, dtype=torch.bool)
+    for h in range(allowed.shape[0]):
+        for i in range(tq):
+            r, m0 = off + i, off + i // bm * bm
+            for c in range(r + 1):
+                run = any(m0 - d <= c <= m0 - d + bm - 1 for d in pat.slash[h].tolist())
+                allowed[h, i, c] = run or c in pat.vertical[h].tolist()
+    return allowed
+
+
+def inputs(tq, tk, hq=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, hq, d, generator=g)
+    k = torch.randn(tk, hkv, d, generator=g)
+    v = torch.randn(tk, hkv, d, generator=g)
+    return q, k, v
+
+
+def sorted_pick(n, hq, k, seed, forced=()):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(hq):
+        s = set(forced) | set(torch.randperm(n, generator=g)[:k].tolist())
+        rows.append(sorted(s)[:k + len(forced)])
+    width = min(len(r) for r in rows)
+    return torch.tensor([r[:width] for r in rows], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("tq,tk", [(70, 70), (45, 77)])   # whole prompt; a prompt after a cached prefix
+def test_vertical_slash_reference_is_masked_dense(tq, tk):
+    q, k, v = inputs(tq, tk)
+    pat = VerticalSlash(sorted_pick(tk, 4, 6, 1, forced=(0, 1)), sorted_pick(tk, 4, 5, 2, forced=(0,)), 16)
+    allowed = vs_allowed(pat, tq, tk)
+    out, pairs = vertical_slash_reference(q, k, v, pat, 0.25)
+    assert torch.allclose(out, dense_masked(q, k, v, allowed, 0.25), atol=1e-5)
+    assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
+    assert 0 < pairs.sum() < 4 * causal_pairs(tq, tk)           # sparse: fewer pairs than dense causal
+
+
+def test_full_patterns_equal_dense_causal():
+    """Every diagonal (or every key block) selected: exactly dense causal attention."""
+    q, k, v = inputs(40, 40)
+    every = torch.arange(40, dtype=torch.int32)[None].expand(4, -1).contiguous()
+    out, pairs = vertical_slash_reference(q, k, v, VerticalSlash(every[:, :1], every, 16), 0.3)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()[None].expand(4, -1, -1)
+    assert torch.allclose(out, dense_masked(q, k, v, causal, 0.3), atol=1e-5)
+    assert pairs.tolist() == [causal_pairs(40, 40)] * 4
+    out, pairs = block_sparse_reference(q, k, v, torch.ones(4, 3, 3, dtype=torch.bool), 16, 0.3)
+    assert torch.allclose(out, dense_masked(q, k, v, causal, 0.3), atol=1e-5)
+
+
+def test_block_sparse_reference_is_masked_dense():
+    tq, tk, b = 45, 77, 16
+    q, k, v = inputs(tq, tk)
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.rand(4, 3, 5, generator=g) < 0.5
+    blocks[:, torch.arange(3), torch.arange(3) + 2] = True      # each query block's own (diagonal) key block
+    off = tk - tq
+    rows, cols = torch.arange(tq), torch.arange(tk)
+    allowed = blocks[:, rows // b][:, :, cols // b] & (cols[None] <= off + rows[:, None])
+    out, pairs = block_sparse_reference(q, k, v, blocks, b, 0.25)
+    assert torch.allclose(out, dense_masked(q, k, v, allowed, 0.25), atol=1e-5)
+    assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
+
+
+def test_groups_and_coverage():
+    pat = VerticalSlash(torch.zeros(2, 1, dtype=torch.int32),
+                        torch.tensor([[0, 3, 20, 40], [0, 16, 33, 34]], dtype=torch.int32), 16)
+    lo, hi = pat.groups()
+    assert lo.tolist()[0][:3] == [0, 20, 40] and hi.tolist()[0][:3] == [3, 20, 40]  # gaps <= 16 merge
+    assert lo.tolist()[1][:2] == [0, 33] and hi.tolist()[1][:2] == [16, 34] and lo[1, 2] >= 2**30  # padded
+    cov = pat.covered(64)
+    t = torch.arange(-15, 65)                                   # t = m0 - c, for c <= r < m0 + 16
+    want0 = (t <= 3) | ((t >= 5) & (t <= 20)) | ((t >= 25) & (t <= 40))
+    assert cov[0].tolist() == want0.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tq,tk", [(70, 70), (45, 77)])
+def test_vertical_slash_triton_equals_reference(dtype, tq, tk):
+    pytest.importorskip("triton")
+    from engine.ops.sparse_prefill import vertical_slash_triton
+    q, k, v = (x.to(DEV, dtype) for x in inputs(tq, tk))
+    kt = k.transpose(0, 1).contiguous().transpose(0, 1)     # head-major storage, as the layerwise buffers give
+    pat = VerticalSlash(sorted_pick(tk, 4, 6, 1, forced=(0, 1)).to(DEV), sorted_pick(tk, 4, 5, 2, forced=(0,)).to(DEV), 16)
+    want, want_pairs = vertical_slash_reference(q, kt, v, pat, 0.25)
+    got, pairs = vertical_slash_triton(q, kt, v, pat, 0.25, block_n=16)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert pairs.cpu().tolist() == want_pairs.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_sparse_triton_equals_reference(dtype):
+    pytest.importorskip("triton")
+    from engine.ops.sparse_prefill import block_sparse_triton
+    tq, tk, b = 45, 77, 16
+    q, k, v = (x.to(DEV, dtype) for x in inputs(tq, tk))
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.rand(4, 3, 5, generator=g) < 0.4
+    blocks[:, torch.arange(3), torch.arange(3) + 2] = True
+    blocks = blocks.to(DEV)
+    want, want_pairs = block_sparse_reference(q, k, v, blocks, b, 0.25)
+    got, pairs = block_sparse_triton(q, k, v, blocks, b, 0.25, block_n=16)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert pairs.cpu().tolist() == want_pairs.tolist()
