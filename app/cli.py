@@ -38,11 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prefill-chunk", type=int, default=8192, metavar="TOKENS",
                    help="layerwise prefill: rows per QKV/MLP chunk (bounds activation memory)")
     c.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
-    c.add_argument("--policy", choices=("full", "quest"), default="full",
-                   help="sparse attention policy: full (dense), quest (decode loads only the top KV pages; layerwise)")
+    c.add_argument("--policy", choices=("full", "quest", "minference", "xattention"), default="full",
+                   help="sparse attention policy: full (dense); quest (decode loads only the top KV pages; layerwise); "
+                   "minference (prefill on vertical-slash patterns) or xattention (prefill on blocks chosen by "
+                   "antidiagonal scores), both gpu or layerwise")
     c.add_argument("--quest-budget", type=int, default=2048, help="quest: tokens of KV loaded per layer and kv head")
     c.add_argument("--quest-page", type=int, default=32, help="quest: page size in tokens (divides --block-size)")
     c.add_argument("--quest-dense-layers", type=int, default=2, help="quest: first layers kept dense")
+    c.add_argument("--quest-recall", action="store_true",
+                   help="quest: measure recall (attention mass on the loaded pages) from the whole K each step (slow)")
+    c.add_argument("--minference-vertical", type=float, default=1000,
+                   help="minference: vertical columns per head (a count, or a fraction of the prompt if <= 1)")
+    c.add_argument("--minference-slash", type=float, default=6096,
+                   help="minference: slash diagonals per head (a count, or a fraction of the prompt if <= 1)")
+    c.add_argument("--xattention-threshold", type=float, default=0.9,
+                   help="xattention: keep key blocks until their estimated share of attention reaches this")
+    c.add_argument("--xattention-stride", type=int, default=16, help="xattention: antidiagonal stride")
+    c.add_argument("--sparse-min-len", type=int, default=8192,
+                   help="minference/xattention: prompts shorter than this (tokens) run dense")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     c.add_argument("--top-p", type=float, default=1.0)
@@ -52,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--trace", type=Path, default=None, help="write what the engine did as a Chrome trace-event "
                    "JSON for Perfetto / chrome://tracing (.json or .json.gz)")
     return p
+
+
+def policy_params(args) -> dict:
+    """The chosen policy's parameters from the command line."""
+    return {"full": {},
+            "quest": {"token_budget": args.quest_budget, "page_size": args.quest_page,
+                      "dense_layers": args.quest_dense_layers, "recall": args.quest_recall},
+            "minference": {"vertical": args.minference_vertical, "slash": args.minference_slash,
+                           "min_len": args.sparse_min_len},
+            "xattention": {"threshold": args.xattention_threshold, "stride": args.xattention_stride,
+                           "min_len": args.sparse_min_len}}[args.policy]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +126,7 @@ def _chat(args) -> int:
               max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
               gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
               prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=args.policy,
-              policy_params=({"token_budget": args.quest_budget, "page_size": args.quest_page,
-                              "dense_layers": args.quest_dense_layers} if args.policy == "quest" else {}))
+              policy_params=policy_params(args))
     messages = document_messages(document.text, question, document.name, args.system)
     answer = []
     stats = None

@@ -3,6 +3,10 @@
     python -m engine.bench                                  # CPU, default model: prefill 2K/6K, decode
     python -m engine.bench --shape qwen3-4b --lengths 32768 # GPU, random weights of Qwen3-4B's shape, bf16
     python -m engine.bench --shape qwen3-4b --lengths 32768 --modes gpu,layerwise,chunked --hf-offloaded
+    python -m engine.bench --shape qwen3-4b --lengths 32768,131072 --modes gpu,layerwise \
+        --policies full,minference,xattention,quest:token_budget=2048 --no-transformers
+
+A policy runs on the same engine as its mode's full (switched between requests); its rows compare with that.
 
 Prompts are random token ids, fresh per repeat (so the prefix cache never helps). Decode is timed from the
 first answer token to the last, at a context of the prompt length. Absolute times only mean something on a GPU.
@@ -10,6 +14,7 @@ first answer token to the last, at a context of the prompt length. Absolute time
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -19,6 +24,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sparse import POLICY_MODES
 
 
 def _sync(device: torch.device) -> None:
@@ -41,11 +47,24 @@ class Ours:
         self.peak_bytes = 0
         self.gen = torch.Generator().manual_seed(0)
         self.vocab = self.llm.args.vocab_size
+        self.base, self.policy, self.params = self.name, "full", {}
+
+    def variant(self, policy: str, params: dict) -> "Ours":
+        """The same engine running another policy (switched before each of its runs)."""
+        v = copy.copy(self)
+        v.name, v.policy, v.params = f"{self.name}+{policy}", policy, params
+        return v
+
+    def _use(self, **extra) -> None:
+        want = (self.policy, {**self.params, **extra})
+        if (self.llm.config.policy, self.llm.config.policy_params) != want:
+            self.llm.set_policy(*want)
 
     def _prompt(self, n: int) -> list[int]:
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
 
-    def _run(self, n: int, new: int):
+    def _run(self, n: int, new: int, **policy_extra):
+        self._use(**policy_extra)
         base = _allocated()
         if self.llm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -230,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--hf-offloaded", type=int, default=0, metavar="STEPS",
                    help="also transformers with its offloaded cache, decode timed over STEPS tokens (it is slow)")
+    p.add_argument("--policies", default="full", help="sparse policies, comma separated, each name[:key=value...], "
+                   "e.g. full,minference:vertical=1000,quest:token_budget=2048 (each where its mode can run it)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -240,13 +261,15 @@ def main(argv=None) -> int:
     steps = args.decode_steps or (64 if on_gpu else 32)
     max_len = max(lengths) + steps + 16
 
-    ours = [Ours(args, max_len, m) for m in args.modes.split(",")]
+    bases = [Ours(args, max_len, m) for m in args.modes.split(",")]
+    ours = [o if name == "full" else o.variant(name, params) for o in bases for name, params in _policies(args.policies)
+            if o.mode in POLICY_MODES[name]]
     engines = ours + ([OursTraced(ours[0])] if args.trace else [])
     if not args.no_transformers or args.hf_offloaded:
         hf = Transformers(args, ours[0])
         engines += ([] if args.no_transformers else [hf]) + ([TransformersOffloaded(hf, args.hf_offloaded)]
                                                              if args.hf_offloaded else [])
-    gpu = next((o for o in ours if o.mode == "gpu"), None)
+    gpu = next((o for o in bases if o.mode == "gpu"), None)
     measures = [(f"prefill {m} (tok/s)", lambda e, m=m: m / e.prefill_s(m)) for m in lengths]
     measures += [(f"decode @{m} (ms/token)", lambda e, m=m: 1e3 * e.decode_s_per_token(m, steps)) for m in lengths]
     if gpu is not None and gpu.llm.runner.graphs:
@@ -268,22 +291,25 @@ def main(argv=None) -> int:
     first = ours[0].llm
     desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
             f"torch {torch.__version__} · graphs {'on' if gpu is not None and gpu.llm.runner.graphs else 'off'}")
-    for e in engines:
+    for e in [e for e in engines if not isinstance(e, Ours)] + bases:   # variants share their base's engine
         e.close()
     gc.collect()
 
     print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating; decode timed over {steps} "
           f"tokens ({args.hf_offloaded} for hf-offloaded)\n")
     names = [e.name for e in engines]
-    print(f"{'':28}" + "".join(f"{n:>14}" for n in names))
+    w = {n: max(14, len(n) + 2) for n in names}
+    print(f"{'':28}" + "".join(f"{n:>{w[n]}}" for n in names))
     for what, vals in rows.items():
-        line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>14,.2f}" for n in names)
+        line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>{w[n]},.2f}" for n in names)
         for other in ("transformers", "kvscope"):
             if other in vals and "kvscope" in vals and other != "kvscope":
                 line += f"   {_ratio(vals['kvscope'], vals[other], what)} vs {other}"
             if other == "kvscope" and "kvscope" in vals:
                 line += "".join(f"   {n} {_ratio(vals[n], vals['kvscope'], what)}" for n in vals
                                 if n in ("layerwise", "chunked"))
+        line += "".join(f"   {n} {_ratio(vals[n], vals[n.split('+')[0]], what)} vs {n.split('+')[0]}" for n in vals
+                        if "+" in n and n.split("+")[0] in vals)
         if "hf-offloaded" in vals and "layerwise" in vals:
             line += f"   layerwise {_ratio(vals['layerwise'], vals['hf-offloaded'], what)} vs hf-offloaded"
         if "kvscope+trace" in vals:
@@ -296,6 +322,19 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"setup": desc, "rows": rows, "offload": extra["data"]}, f, indent=2)
     return 0
+
+
+def _policies(spec: str) -> list[tuple[str, dict]]:
+    """"full,quest:token_budget=1024:page_size=16" -> [("full", {}), ("quest", {"token_budget": 1024, ...})]."""
+    out = []
+    for item in spec.split(","):
+        name, *kvs = item.split(":")
+        params = {}
+        for kv in kvs:
+            key, value = kv.split("=")
+            params[key] = json.loads(value) if value not in ("True", "False") else value == "True"
+        out.append((name, params))
+    return out
 
 
 def _ratio(ours: float, other: float, what: str) -> str:
@@ -316,6 +355,13 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int) -> dict:
             f"{o.name} {o.peak_bytes / 2**30:.2f} (weights+buffers {o.static_bytes / 2**30:.2f})" for o in ours))
         data["peak_gib"] = {o.name: o.peak_bytes / 2**30 for o in ours}
     for o in ours:
+        if o.policy in ("minference", "xattention"):      # prefill policies: the density of what ran
+            for m in lengths:
+                o.prefill_s(m)
+                data[f"{o.name}@{m}"] = pol = o.last.policy_stats
+                lines.append(f"{o.name} @{m}: attention density {pol.get('density', 1.0):.3f} of dense causal "
+                             f"({pol.get('sparse_layers', 0)} sparse layers)")
+            continue
         if o.mode == "gpu":
             continue
         a, dt = o.llm.args, o.llm.dtype
@@ -329,12 +375,22 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int) -> dict:
             formula = a.num_layers * per_tok // a.num_layers * bs * C * (C - 1) // 2 if o.mode == "chunked" else 0
             d.update(pcie_floor_ms=floor_ms, prefill_h2d_gb=o.last.bytes_h2d / 1e9, formula_h2d_gb=formula / 1e9,
                      plan=o.llm.plan.describe() if o.llm.plan is not None else None)
-            data[f"{o.mode}@{m}"] = d
+            data[f"{o.name}@{m}"] = d
             floor = f" (PCIe floor {floor_ms:.1f} ms at {PCIE_GBPS} GB/s: {d['ms_per_token_traced'] / floor_ms:.2f}x)"
-            lines.append(f"{o.mode} @{m}: traced decode {d['ms_per_token_traced']:.1f} ms/token{floor if cuda else ''}, H2D "
+            lines.append(f"{o.name} @{m}: traced decode {d['ms_per_token_traced']:.1f} ms/token{floor if cuda else ''}, H2D "
                          f"{d['h2d_gbps']:.1f} GB/s, compute busy {100 * d['compute_busy']:.0f}%, exposed copy "
                          f"{d['exposed_copy_ms_per_token']:.1f} ms/token; prefill H2D {d['prefill_h2d_gb']:.2f} GB"
                          + (f" (formula L*b*B*C(C-1)/2 = {d['formula_h2d_gb']:.2f} GB)" if o.mode == "chunked" else ""))
+            if o.policy == "quest":                        # recall needs the whole K read back: a separate run
+                new = 8
+                o._run(m, new + 1)
+                d["decode_h2d_gb_per_token"] = o.last.bytes_h2d / 1e9 / new
+                o._run(m, new + 1, recall=True)
+                d.update({k: v for k, v in o.last.policy_stats.items()})
+                lines.append(f"  quest: H2D {d['decode_h2d_gb_per_token']:.3f} GB/token (full: {m * per_tok / 1e9:.3f}); "
+                             f"recall {d.get('recall', 1.0):.3f} (with this step's own query "
+                             f"{d.get('recall_current_query', 1.0):.3f}), worst head {d.get('recall_min_head', 1.0):.3f}; "
+                             "per layer " + " ".join(f"{r:.2f}" for r in d.get("recall_per_layer", {}).values()))
         if o.llm.plan is not None:
             lines.append(f"  {o.llm.plan.describe()}")
     return {"lines": lines, "data": data}

@@ -37,7 +37,7 @@ class GenerationStats:
     finish_reason: str          # stop | length | cancelled
     bytes_h2d: int = 0          # KV bytes moved host -> device for this request (offload modes)
     bytes_d2h: int = 0          # KV bytes moved device -> host
-    policy: dict = field(default_factory=dict)  # the sparse policy's figures (density, pages selected, ...)
+    policy_stats: dict = field(default_factory=dict)  # the sparse policy's figures (density, pages selected, ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -265,7 +265,9 @@ class LLM:
             self.step()
         if self._recorder.enabled:
             self._recorder.flush()
-        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s, self.runner.policy.stats())) for s in seqs]
+        figures = self.runner.policy.stats()
+        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s, figures))
+                for s in seqs]
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
                progress: Progress | None = None) -> Iterator[StreamChunk]:
@@ -340,7 +342,7 @@ def _stats(seq: Sequence, policy: dict) -> GenerationStats:
         prefill_tok_s=computed / prefill_s if prefill_s > 0 else 0.0,
         decode_tok_s=decode_n / (end - first) if decode_n > 0 and end > first else 0.0,
         total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled",
-        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, policy=policy)
+        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, policy_stats=policy)
 
 
 def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, rec: Recorder):

@@ -36,6 +36,7 @@ class LayerwiseRunner(OffloadRunner):
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
         self._chosen: dict[int, torch.Tensor] = {}     # layer -> pages [Hkv, k] for its next load
         self._chosen_version: dict[int, int] = {}      # layer -> selections made (a load's identity)
+        self._chosen_pos: dict[int, torch.Tensor] = {}  # layer -> the same pages as positions in the sequence
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks) when loaded by pages
         return oe
@@ -89,6 +90,8 @@ class LayerwiseRunner(OffloadRunner):
                     where = slots if packed is None else torch.stack([slots[0] - n_host + at, slots[1]])
                     q = self._qkv(model.layers[l], h, residual, cos, sin, K, V, where)
                     q_last = q[-1].clone() if self._quest is not None else None
+                    if packed is not None and self._quest.measure_recall:
+                        self._measure_recall(l, q[0], n_host, end, buf, at)
                     if is_prefill:
                         o = self._prefill_attention(q, buf, end, l)
                     else:
@@ -167,13 +170,33 @@ class LayerwiseRunner(OffloadRunner):
         k = quest.budget_pages - quest.pages_per_block
         blocks = self._table_dev[:n_blocks]
         positions, scores = quest.select(layer, q, blocks, k)
+        quest.selections += 1
         pages = quest.page_ids(blocks)[positions]
         self._chosen[layer] = pages
+        self._chosen_pos[layer] = positions
         self._chosen_version[layer] = self._chosen_version.get(layer, 0) + 1
         rec = self.recorder
         if rec.enabled:
             for h in range(pages.shape[0]):
                 rec.quest_pick(layer, h, pages[h], scores[h], n_blocks * quest.pages_per_block)
+
+    def _measure_recall(self, l: int, q: torch.Tensor, n_host: int, end: int, buf: int, at: int) -> None:
+        """Debug: the true attention mass on what this step loaded (chosen pages, newest full block, partial
+        block), from the layer's whole K read back from the host pool."""
+        quest, oe, bs = self._quest, self.oe, self.block_size
+        oe.synchronize()                                                  # the host copies of earlier blocks
+        k = oe.host[l, self._table_dev[:n_host].to(oe.host.device), 0].to(self.device)   # [n, Hkv, bs, D]
+        k = torch.cat([k.transpose(0, 1).flatten(1, 2), oe.buffers[buf][at, 0, :, :end - n_host * bs]], dim=1)
+        ppb, p = quest.pages_per_block, quest.page_size
+        loaded = torch.zeros(k.shape[0], end, dtype=torch.bool, device=self.device)
+        pages = loaded[:, :n_host * bs].view(k.shape[0], n_host * ppb, p)
+        pages.scatter_(1, self._chosen_pos[l][:, :, None].expand(-1, -1, p), True)
+        loaded[:, (n_host - 1) * bs:] = True                              # newest full block + the partial one
+        quest.note_recall(l, quest.recall(q, k, loaded, self.scale))
+        now, _ = quest.select(l, q, self._table_dev[:n_host - 1], self._chosen_pos[l].shape[1])
+        loaded[:, :(n_host - 1) * bs] = False
+        pages.scatter_(1, now[:, :, None].expand(-1, -1, p), True)
+        quest.note_recall(l, quest.recall(q, k, loaded, self.scale), "recall_current_query")
 
     def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool) -> None:
         """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or the next one)."""

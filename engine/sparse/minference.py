@@ -4,8 +4,8 @@ Per query head, the last `last_q` queries (64) attend densely to all keys (causa
 down each key column gives the column scores (vertical lines: keys every later query looks at), summing along
 each diagonal offset d = query position - key position gives the diagonal scores (slash lines: relative
 positions that matter). The top `vertical` columns and `slash` diagonals are kept, the first `sink` columns
-and the `recent` nearest diagonals always. A budget below 1 is a fraction of the keys (adaptive), otherwise a
-count. Below `min_len` keys the layer runs dense. The estimate runs one kv head (its G query heads) at a time:
+and the `recent` nearest diagonals always. A budget of at most 1 is a fraction of the keys (adaptive; 1 = all),
+otherwise a count. Below `min_len` keys the layer runs dense. The estimate runs one kv head (its G query heads) at a time:
 its memory is G x last_q x Tk floats (128 MiB at 128K tokens, G = 4), never all heads at once.
 
 The pattern runs in engine.ops.sparse_prefill (Triton on CUDA, torch elsewhere), which also counts the pairs
@@ -27,7 +27,7 @@ class MInferencePolicy(SparsePrefillPolicy):
         super().__init__(min_len)
         for label, x in (("vertical", vertical), ("slash", slash)):
             if x <= 0:
-                raise ValueError(f"minference {label} budget must be > 0: a count, or a fraction of the keys below 1 "
+                raise ValueError(f"minference {label} budget must be > 0: a count, or a fraction of the keys up to 1 "
                                  f"(got {x})")
         if last_q < 16 or block < 16 or block & (block - 1):
             raise ValueError(f"minference needs last_q >= 16 and a power-of-two block >= 16 (got {last_q}, {block})")
@@ -37,7 +37,7 @@ class MInferencePolicy(SparsePrefillPolicy):
     def budgets(self, tk: int) -> tuple[int, int]:
         """(vertical columns, slash diagonals) per head for tk keys, forced ones included."""
         def count(x, forced):
-            n = int(x * tk) if x < 1 else int(x)
+            n = int(x * tk) if x <= 1 else int(x)
             return max(min(forced, tk), min(n, tk))
         return count(self.vertical, self.sink), count(self.slash, self.recent)
 

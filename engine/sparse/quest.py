@@ -21,12 +21,15 @@ class QuestPolicy(SparsePolicy):
     supports_decode = True
     requires_block_selection = True
 
-    def __init__(self, token_budget: int = 2048, page_size: int = 32, dense_layers: int = 2):
+    def __init__(self, token_budget: int = 2048, page_size: int = 32, dense_layers: int = 2, recall: bool = False):
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"quest page_size must be a power of two >= 16 (got {page_size})")
         if token_budget < 2 * page_size:
             raise ValueError(f"quest token_budget {token_budget} must hold at least two pages of {page_size}")
         self.token_budget, self.page_size, self.dense_layers = token_budget, page_size, dense_layers
+        self.measure_recall = recall  # debug: read the layer's whole K at each sparse step (slow) to measure recall
+        self._recall: dict[str, dict[int, list[torch.Tensor]]] = {}   # kind -> layer -> per step, per query head
+        self.selections = 0
 
     def initialize(self, layout: KVLayout) -> None:
         super().initialize(layout)
@@ -89,3 +92,31 @@ class QuestPolicy(SparsePolicy):
         k = min(self.budget_pages if k is None else k, pages.numel())
         top = forced.topk(k, dim=-1).indices.sort(dim=-1).values
         return top, s.gather(1, top)
+
+    # ---------------------------------------------------------------- figures
+    def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:
+        """The share of the true attention mass on the tokens that were loaded, per query head.
+
+        q [Hq, D]; keys [Hkv, T, D], all of the layer's keys (the current token's last); loaded [Hkv, T] bool."""
+        hkv, t, d = keys.shape
+        qg = q.float().reshape(hkv, -1, d)                                          # [Hkv, G, D]
+        p = torch.softmax(qg @ keys.float().transpose(1, 2) * scale, dim=-1)        # [Hkv, G, T]
+        return (p * loaded[:, None]).sum(-1).flatten()
+
+    def note_recall(self, layer: int, value: torch.Tensor, kind: str = "recall") -> None:
+        """kind "recall": what was loaded; "recall_current_query": what this step's own query would have chosen."""
+        self._recall.setdefault(kind, {}).setdefault(layer, []).append(value)
+
+    def reset(self) -> None:
+        self._recall.clear()
+        self.selections = 0
+
+    def stats(self) -> dict:
+        out = {"token_budget": self.token_budget, "page_size": self.page_size, "dense_layers": self.dense_layers,
+               "pages_per_head": self.budget_pages if hasattr(self, "layout") else None, "selections": self.selections}
+        for kind, layers in self._recall.items():
+            per_layer = {l: torch.cat(v).mean().item() for l, v in sorted(layers.items())}
+            out[kind] = sum(per_layer.values()) / len(per_layer)
+            out[kind + "_min_head"] = min(torch.cat(v).min().item() for v in layers.values())
+            out[kind + "_per_layer"] = {str(l): round(r, 4) for l, r in per_layer.items()}
+        return out

@@ -126,3 +126,30 @@ def test_quest_requests_in_turn_answer_as_in_a_fresh_engine(default_model_dir, q
     fresh = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
                 policy="quest", policy_params=QUEST).generate([second], params)[0]
     assert in_turn.token_ids == fresh.token_ids
+
+
+def test_recall_is_the_attention_mass_on_what_was_loaded():
+    p = _policy(hkv=1, d=2)
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])                    # two query heads, one kv head
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])   # [Hkv, T=3, D]
+    loaded = torch.tensor([[True, False, True]])
+    e = torch.e
+    want = [(e + 1) / (e + 2), 2 / (e + 2)]                        # softmax mass on tokens 0 and 2 per head
+    assert p.recall(q, keys, loaded, 1.0).tolist() == pytest.approx(want)
+
+
+def test_recall_measured_in_the_engine(tmp_path):
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def stats(budget):
+        llm = LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400, policy="quest",
+                  policy_params={"token_budget": budget, "page_size": 16, "dense_layers": 0, "recall": True})
+        return llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].stats.policy_stats
+
+    tight = stats(64)
+    assert tight["selections"] > 0 and set(tight["recall_per_layer"]) == {"0", "1"}
+    assert 0 < tight["recall_min_head"] <= tight["recall"] < 1
+    assert 0 < tight["recall_current_query"] < 1
+    assert "recall" not in stats(512)                               # the budget holds everything: never sparse

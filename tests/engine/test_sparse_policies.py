@@ -1,0 +1,140 @@
+"""MInference and XAttention: what they estimate (on planted data), and the real engine running them."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError
+from engine.sparse import MInferencePolicy, XAttentionPolicy, make_policy
+from engine.trace.recorder import TraceRecorder
+
+from tests.engine.tiny import tiny_model
+
+
+def planted(tk=256, hq=4, hkv=2, d=32, column=150, seed=0):
+    """Random q/k, plus one key (position `column`) that every query of kv head 0 aligns with strongly."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tk, hq, d, generator=g) * 0.3
+    k = torch.randn(tk, hkv, d, generator=g) * 0.3
+    direction = torch.randn(d, generator=g)
+    q[:, :hq // hkv] += direction
+    k[column, 0] = direction * 4
+    return q, k
+
+
+def test_minference_estimate_finds_a_planted_column_and_keeps_forced_ones():
+    q, k = planted()
+    pol = MInferencePolicy(vertical=24, slash=20, last_q=32, sink=4, recent=8, block=16, min_len=1)
+    pat = pol.estimate(q, k, 32 ** -0.5)
+    assert pat.vertical.shape == (4, 24) and pat.slash.shape == (4, 20)     # index memory: budget per head only
+    for h in range(4):
+        v, s = pat.vertical[h].tolist(), pat.slash[h].tolist()
+        assert v == sorted(v) and s == sorted(s)
+        assert set(range(4)) <= set(v) and set(range(8)) <= set(s)        # sink columns, recent diagonals
+    assert all(150 in pat.vertical[h].tolist() for h in (0, 1))           # the heads of kv head 0 see it
+
+
+def test_minference_fraction_budgets_scale_with_length():
+    pol = MInferencePolicy(vertical=0.1, slash=0.25, sink=4, recent=8)
+    assert pol.budgets(1000) == (100, 250)
+    assert pol.budgets(20) == (4, 8)                                      # never below the forced ones
+    with pytest.raises(ValueError, match="budget"):
+        MInferencePolicy(vertical=0)
+
+
+def test_xattention_estimate_keeps_the_heavy_block_and_the_diagonal():
+    q, k = planted(tk=256, column=40)
+    pol = XAttentionPolicy(threshold=0.5, stride=4, block=16, min_len=1, chunk_rows=32)
+    blocks = pol.estimate(q, k, 32 ** -0.5)                               # [Hq, 16, 16]
+    assert blocks.shape == (4, 16, 16)
+    m = torch.arange(16)
+    assert blocks[:, m, m].all() and blocks[:, :, 0].all()                # own block and the sink, always
+    assert blocks[:2, 3:, 40 // 16].all()                                  # every later query block keeps it
+    assert not blocks[:, m[:, None] < m[None, :]].any()                    # nothing above the diagonal
+    assert blocks[2:].float().mean() < 0.6                                # the threshold drops blocks elsewhere
+
+
+def test_xattention_threshold_one_keeps_every_block_with_mass():
+    q, k = planted(tk=200)
+    blocks = XAttentionPolicy(threshold=1.0, stride=4, block=16, min_len=1).estimate(q, k, 32 ** -0.5)
+    assert blocks.equal(torch.ones(13, 13, dtype=torch.bool).tril()[None].expand(4, -1, -1))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_model("qwen3", folder)
+    return folder
+
+
+PROMPT = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def answer(folder, mode, policy="full", params=None, recorder=None):
+    llm = LLM(str(folder), device="cpu", kv_block_size=16, mode=mode, max_model_len=400, policy=policy,
+              policy_params=params or {}, recorder=recorder)
+    out = llm.generate([PROMPT], GREEDY)[0]
+    return out.token_ids, out.stats
+
+
+@pytest.mark.parametrize("mode", ["gpu", "layerwise"])
+@pytest.mark.parametrize("policy,params", [
+    ("minference", {"vertical": 1.0, "slash": 1.0, "min_len": 64, "block": 16}),  # every column and diagonal
+    ("xattention", {"threshold": 1.0, "stride": 4, "block": 16, "min_len": 64}),    # every block with mass
+])
+def test_patterns_that_cover_everything_answer_like_full(tiny_dir, mode, policy, params):
+    want, _ = answer(tiny_dir, mode)
+    got, stats = answer(tiny_dir, mode, policy, params)
+    assert got == want
+    assert stats.policy_stats["sparse_layers"] == 2 and stats.policy_stats["density"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("policy,params", [
+    ("minference", {"vertical": 16, "slash": 32, "min_len": 64, "block": 16, "sink": 4, "recent": 16}),
+    ("xattention", {"threshold": 0.6, "stride": 4, "block": 16, "min_len": 64}),
+])
+def test_sparse_prefill_is_the_same_in_gpu_and_layerwise_mode_and_traced(tiny_dir, policy, params):
+    rec = TraceRecorder()
+    got, stats = answer(tiny_dir, "layerwise", policy, params, recorder=rec)
+    again, stats_gpu = answer(tiny_dir, "gpu", policy, params)
+    assert got == again                                           # the same pattern from the same prompt
+    assert 0 < stats.policy_stats["density"] < 0.9
+    assert stats.policy_stats["density"] == pytest.approx(stats_gpu.policy_stats["density"])
+    masks = [m for s in rec.steps for m in s.masks]
+    assert {(m.layer, m.head) for m in masks} == {(l, h) for l in range(2) for h in range(4)}
+    per_layer = stats.policy_stats["density_per_layer"]
+    for l in range(2):
+        mean = sum(m.density for m in masks if m.layer == l) / 4
+        assert mean == pytest.approx(per_layer[str(l)], abs=1e-4)
+    if policy == "minference":
+        assert all(len(m.vertical) == 16 and len(m.slash) == 32 and m.n == 300 for m in masks)
+    else:
+        assert all(m.image is not None and m.image.shape == (19, 19) for m in masks)
+
+
+def test_below_min_len_the_policy_runs_dense(tiny_dir):
+    want, _ = answer(tiny_dir, "gpu")
+    got, stats = answer(tiny_dir, "gpu", "minference", {"min_len": 1000, "vertical": 4, "slash": 4})
+    assert got == want and stats.policy_stats["sparse_layers"] == 0
+
+
+def test_policies_switch_between_requests(tiny_dir):
+    llm = LLM(str(tiny_dir), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400)
+    dense = llm.generate([PROMPT], GREEDY)[0]
+    llm.set_policy("xattention", {"threshold": 0.6, "stride": 4, "block": 16, "min_len": 64})
+    sparse = llm.generate([PROMPT], GREEDY)[0]
+    assert sparse.stats.cached_tokens == 0                        # the new policy really ran on the whole prompt
+    assert 0 < sparse.stats.policy_stats["density"] < 0.9
+    llm.set_policy("full")
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == dense.token_ids
+    with pytest.raises(ConfigError, match="unknown policy"):
+        llm.set_policy("nope")
+
+
+def test_policies_refused_where_they_cannot_run():
+    with pytest.raises(ConfigError, match="gpu or layerwise mode, not chunked"):
+        make_policy("minference", {}, "chunked")
+    with pytest.raises(ConfigError, match="threshold"):
+        make_policy("xattention", {"threshold": 1.5}, "gpu")
+    with pytest.raises(ConfigError, match="stride"):
+        make_policy("xattention", {"block": 64, "stride": 24}, "gpu")
