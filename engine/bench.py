@@ -251,6 +251,7 @@ def main(argv=None) -> int:
                    help="also transformers with its offloaded cache, decode timed over STEPS tokens (it is slow)")
     p.add_argument("--policies", default="full", help="sparse policies, comma separated, each name[:key=value...], "
                    "e.g. full,minference:vertical=1000,quest:token_budget=2048 (each where its mode can run it)")
+    p.add_argument("--phases", default="prefill,decode", help="what to time: prefill, decode or both")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -270,8 +271,10 @@ def main(argv=None) -> int:
         engines += ([] if args.no_transformers else [hf]) + ([TransformersOffloaded(hf, args.hf_offloaded)]
                                                              if args.hf_offloaded else [])
     gpu = next((o for o in bases if o.mode == "gpu"), None)
-    measures = [(f"prefill {m} (tok/s)", lambda e, m=m: m / e.prefill_s(m)) for m in lengths]
-    measures += [(f"decode @{m} (ms/token)", lambda e, m=m: 1e3 * e.decode_s_per_token(m, steps)) for m in lengths]
+    phases = args.phases.split(",")
+    measures = [(f"prefill {m} (tok/s)", lambda e, m=m: m / e.prefill_s(m)) for m in lengths if "prefill" in phases]
+    measures += [(f"decode @{m} (ms/token)", lambda e, m=m: 1e3 * e.decode_s_per_token(m, steps)) for m in lengths
+                 if "decode" in phases]
     if gpu is not None and gpu.llm.runner.graphs:
         n = max(lengths)
         measures.append(("  GPU only, graph replay (ms)", lambda e: 1e3 * e.decode_graph_s(n) if e is gpu else None))
@@ -287,7 +290,7 @@ def main(argv=None) -> int:
                 if value is not None:
                     samples[e.name].append(value)
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
-    extra = _offload_details(ours, lengths, steps)
+    extra = _offload_details(ours, lengths, steps, phases)
     first = ours[0].llm
     desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
             f"torch {torch.__version__} · graphs {'on' if gpu is not None and gpu.llm.runner.graphs else 'off'}")
@@ -345,7 +348,7 @@ def _ratio(ours: float, other: float, what: str) -> str:
 PCIE_GBPS = 53.5  # pinned H2D on the H100 of DESIGN.md §5
 
 
-def _offload_details(ours: list[Ours], lengths: list[int], steps: int) -> dict:
+def _offload_details(ours: list[Ours], lengths: list[int], steps: int, phases: list[str]) -> dict:
     """Peak memory of every engine; for offload modes a traced decode (GB/s, busy, exposed copies) and the
     host->device bytes of one prefill next to the formula."""
     cuda = ours[0].llm.device.type == "cuda"
@@ -362,7 +365,7 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int) -> dict:
                 lines.append(f"{o.name} @{m}: attention density {pol.get('density', 1.0):.3f} of dense causal "
                              f"({pol.get('sparse_layers', 0)} sparse layers)")
             continue
-        if o.mode == "gpu":
+        if o.mode == "gpu" or "decode" not in phases:
             continue
         a, dt = o.llm.args, o.llm.dtype
         per_tok = a.kv_bytes_per_token * dt.itemsize
