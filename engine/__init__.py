@@ -16,7 +16,7 @@ _EXPORTS = {
     "DocumentError": "engine.errors", "ContextTooLongError": "engine.errors", "OutOfMemoryError": "engine.errors",
     "Cancelled": "engine.errors", "TaskState": "engine.control",
 }
-POLICIES = ("full", "quest")  # sparse policies join here as they land (engine.sparse.POLICY_CLASSES)
+POLICIES = ("full", "quest", "minference", "xattention")  # engine.sparse.POLICY_CLASSES
 
 __all__ = [*_EXPORTS, "POLICIES"]
 

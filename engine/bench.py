@@ -251,6 +251,8 @@ def main(argv=None) -> int:
                    help="also transformers with its offloaded cache, decode timed over STEPS tokens (it is slow)")
     p.add_argument("--policies", default="full", help="sparse policies, comma separated, each name[:key=value...], "
                    "e.g. full,minference:vertical=1000,quest:token_budget=2048 (each where its mode can run it)")
+    p.add_argument("--kernels", action="store_true", help="time the sparse prefill kernels alone (one layer, CUDA): "
+                   "estimate + kernel vs dense at chosen densities, see engine/bench_kernels.py")
     p.add_argument("--phases", default="prefill,decode", help="what to time: prefill, decode or both")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
@@ -259,6 +261,15 @@ def main(argv=None) -> int:
 
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     lengths = [int(x) for x in (args.lengths or ("32768" if on_gpu else "2048,6144")).split(",")]
+    if args.kernels:
+        from engine.bench_kernels import run
+        from engine.models.registry import parse_config, shape_config
+        lines = run(parse_config(shape_config(args.shape or "qwen3-4b")), lengths)
+        print("\n".join(lines))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"kernels": lines}, f, indent=2)
+        return 0
     steps = args.decode_steps or (64 if on_gpu else 32)
     max_len = max(lengths) + steps + 16
 
