@@ -30,6 +30,7 @@ from app.status import StatusBar
 from app.worker import EngineWorker
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES, DocumentPanel
+from widgets.mask_view import MaskView
 from widgets.metrics_strip import MetricsStrip
 from widgets.policy_panel import POLICIES, PolicyPanel
 from widgets.quest_view import QuestView
@@ -43,7 +44,8 @@ DOCS = (("document", "Document", Qt.DockWidgetArea.LeftDockWidgetArea),
         ("metrics", "Metrics", Qt.DockWidgetArea.BottomDockWidgetArea),
         ("timeline", "Timeline", Qt.DockWidgetArea.BottomDockWidgetArea),
         ("ring", "Ring buffer", Qt.DockWidgetArea.BottomDockWidgetArea),
-        ("quest", "Quest", Qt.DockWidgetArea.BottomDockWidgetArea))
+        ("quest", "Quest", Qt.DockWidgetArea.BottomDockWidgetArea),
+        ("masks", "Masks", Qt.DockWidgetArea.BottomDockWidgetArea))
 
 
 def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
@@ -53,8 +55,9 @@ def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
 
 class MainWindow(QMainWindow):
     """The app window. Public for tests and tools: `chat`, `document_panel`, `policy_panel`, `timeline`, `ring`,
-    `quest`, `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`, `model_info` (the
-    latest model_ready dict), `is_busy()`, `send(question)`, `stop()`, `export_bundle(folder)`, `shutdown()`."""
+    `quest`, `masks`, `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`,
+    `model_info` (the latest model_ready dict), `is_busy()`, `send(question)`, `stop()`, `export_bundle(folder)`,
+    `shutdown()`."""
 
     request_load = Signal(dict)
     request_open = Signal(str)
@@ -100,8 +103,9 @@ class MainWindow(QMainWindow):
         self.timeline = TimelineView()
         self.ring = RingView()
         self.quest = QuestView()
+        self.masks = MaskView()
         views = {"document": self.document_panel, "policy": self.policy_panel, "metrics": self.metrics,
-                 "timeline": self.timeline, "ring": self.ring, "quest": self.quest}
+                 "timeline": self.timeline, "ring": self.ring, "quest": self.quest, "masks": self.masks}
         self.docks: dict[str, QDockWidget] = {}
         for name, title, area in DOCS:
             dock = QDockWidget(title, self)
@@ -113,6 +117,7 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(self.docks["metrics"], self.docks["timeline"], Qt.Orientation.Vertical)
         self.splitDockWidget(self.docks["timeline"], self.docks["ring"], Qt.Orientation.Horizontal)
         self.tabifyDockWidget(self.docks["ring"], self.docks["quest"])     # Quest picks: a tab beside the ring
+        self.tabifyDockWidget(self.docks["quest"], self.docks["masks"])    # sparse prefill masks: one more tab
         self.docks["ring"].raise_()
         self.resizeDocks([self.docks["document"], self.docks["policy"]], [380, 330], Qt.Orientation.Horizontal)
         self.resizeDocks([self.docks["timeline"], self.docks["ring"]], [700, 420], Qt.Orientation.Horizontal)
@@ -357,7 +362,7 @@ class MainWindow(QMainWindow):
         restart = max((i for i in range(len(steps)) if numbers[i + 1] <= numbers[i]), default=None)
         if restart is not None:
             steps = steps[restart:]
-            for view in (self.timeline, self.ring, self.quest):
+            for view in (self.timeline, self.ring, self.quest, self.masks):
                 view.clear()
             self._recent.clear()
             self.metrics.clear()
@@ -366,6 +371,7 @@ class MainWindow(QMainWindow):
         self.timeline.append_steps(steps)
         self.ring.append_steps(steps)
         self.quest.append_steps(steps)
+        self.masks.append_steps(steps)
         self.metrics.update_from_steps(self._recent)
         offload = self.model_info.get("mode", "gpu") != "gpu"
         for step in reversed(steps):
@@ -401,12 +407,13 @@ class MainWindow(QMainWindow):
                 "system_prompt": self.chat.system_prompt()}
 
     def export_bundle(self, folder: Path) -> Path:
-        """Write window.png, timeline/ring/quest/metrics/chat PNGs, trace.json (the last turn), chat.md, chat.json and
-        config.json into `folder`, or into a new timestamped subfolder when `folder` is not empty; returns it."""
+        """Write window.png, timeline/ring/quest/masks/metrics/chat PNGs, trace.json (the last turn), chat.md,
+        chat.json and config.json into `folder`, or into a new timestamped subfolder when `folder` is not empty;
+        returns it."""
         out = bundle_folder(Path(folder))
         steps = None if "ask" in self._pending else list(self.worker.turn_steps)   # never read while it changes
-        views = {"timeline": self.timeline, "ring": self.ring, "quest": self.quest, "metrics": self.metrics,
-                 "chat": self.chat}
+        views = {"timeline": self.timeline, "ring": self.ring, "quest": self.quest, "masks": self.masks,
+                 "metrics": self.metrics, "chat": self.chat}
         write_bundle(out, self.grab(), views, self.chat, steps, self.describe())
         return out
 

@@ -20,9 +20,13 @@ from app.prompt import document_messages
 from engine.errors import KVScopeError
 
 
+def _without_policy(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in ("policy", "policy_params")}
+
+
 class EngineWorker(QObject):
     model_progress = Signal(float, str)   # loading the model
-    model_ready = Signal(dict)            # name, device, dtype, mode, max_model_len, plan, policies
+    model_ready = Signal(dict)            # name, device, dtype, mode, max_model_len, plan, policies, policy
     document_ready = Signal(dict)         # name, path, text, tokens, limit
     prefill_progress = Signal(float, str)
     answer_text = Signal(str)             # a piece of the answer
@@ -56,7 +60,9 @@ class EngineWorker(QObject):
     @Slot(dict)
     def load_model(self, config: dict) -> None:
         """(Re)build the engine with `config` (LLM keyword arguments, policy included; `model` None = the default
-        model). A policy the engine does not have is refused by the engine with a readable message."""
+        model). When only the policy or its parameters differ, the loaded engine switches policy instead
+        (`LLM.set_policy`: no reload; the chat history stays, the prefix cache goes). A policy the engine does not
+        have, or bad parameters, are refused by the engine with a readable message (the `error` signal)."""
         self.busy.emit(True)
         try:
             self._build(config)
@@ -68,9 +74,16 @@ class EngineWorker(QObject):
             self.busy.emit(False)
 
     def _build(self, config: dict) -> None:
-        from engine import LLM, POLICIES
+        from engine import LLM
         from engine.trace import TraceRecorder
         if self.llm is not None and config == self.engine_config:
+            return
+        if self.llm is not None and _without_policy(config) == _without_policy(self.engine_config):
+            # only the policy changed: switch it on the loaded engine (drops the prefix cache; a bad parameter
+            # raises ConfigError and leaves the engine as it was)
+            self.llm.set_policy(config.get("policy", "full"), config.get("policy_params") or {})
+            self.engine_config = dict(config)
+            self._ready()
             return
         old, self.llm = self.llm, None
         if old is not None:
@@ -80,12 +93,18 @@ class EngineWorker(QObject):
         llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append)
         self.llm, self.engine_config = llm, dict(config)
         self.history = []
+        self._ready()
+        if self.document is not None:
+            self._announce(self.document)
+
+    def _ready(self) -> None:
+        from engine import POLICIES
+        llm = self.llm
         self.model_ready.emit({"name": llm.model_name, "device": str(llm.device),
                                "dtype": str(llm.dtype).removeprefix("torch."), "mode": llm.config.mode,
                                "max_model_len": llm.max_model_len, "policies": list(POLICIES),
+                               "policy": llm.config.policy,
                                "plan": llm.plan.describe() if llm.plan is not None else ""})
-        if self.document is not None:
-            self._announce(self.document)
 
     @Slot(str)
     def open_document(self, path: str) -> None:

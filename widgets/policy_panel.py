@@ -40,6 +40,9 @@ POLICIES = {   # key: (shown name, modes it works in, what it does, why it is un
 }
 BLOCK_SIZES = [2**i for i in range(4, 13)]   # 16 .. 4096
 QUEST_PAGE_SIZES = [16, 32, 64]
+XATTENTION_STRIDES = [4, 8, 16, 32, 64]      # divisors of XAttention's 128-token block
+DENSE_BELOW_TIP = ("Prompts (keys of a layer) shorter than this many tokens use dense prefill: sparsity only pays "
+                   "off on long prompts.")
 DEFAULT_MODEL = "default: SmolLM2-135M-Instruct"
 BUSY_TEXT = "A turn is running: changes apply at the next turn."
 
@@ -193,24 +196,27 @@ class PolicyPanel(QWidget):
                                       "out, so page selection hurts them most). 2 is the usual choice."),
             },
             "minference": {
-                "vertical_budget": _spin(64, 65536, 1000, 100, tip="Key columns (vertical lines) every query "
-                                         "attends to, picked from the last queries' scores. Typical 500-2000."),
-                "slash_budget": _spin(64, 65536, 6096, 256, tip="Diagonals (slash lines: fixed query-key "
-                                      "distances) every query attends to. Typical 2000-8000."),
-                "dense_below": _spin(0, 1048576, 8192, 1024, tip="Prompts shorter than this many tokens use "
-                                     "dense prefill (sparsity only pays off on long prompts)."),
+                "vertical": _dspin(0.01, 1048576, 1000, 100, 2, tip="Key columns (vertical lines) every query "
+                                   "attends to, picked from the last 64 queries' scores (the first 64 always): a "
+                                   "count, or a fraction of the prompt if at most 1. Typical 500-2000."),
+                "slash": _dspin(0.01, 1048576, 6096, 256, 2, tip="Diagonals (slash lines: fixed query-key "
+                                "distances) every query attends to (the nearest 128 always): a count, or a "
+                                "fraction of the prompt if at most 1. Typical 2000-8000."),
+                "min_len": _spin(1, 1048576, 8192, 1024, tip=DENSE_BELOW_TIP),
             },
             "xattention": {
-                "threshold": _dspin(0.0, 1.0, 0.9, 0.05, 2, tip="Tau: keep the highest-scoring blocks of each "
-                                    "row until they hold this share of the attention mass. Higher = more exact, "
-                                    "slower; 0.8-0.95 is typical."),
-                "stride": _spin(4, 64, 8, tip="Antidiagonal stride used to score blocks: larger is cheaper to "
-                                "score and coarser. 8 or 16 is typical."),
+                "threshold": _dspin(0.01, 1.0, 0.9, 0.05, 2, tip="Tau: keep the highest-scoring key blocks of "
+                                    "each query block until they hold this share of the attention mass. Higher = "
+                                    "more exact, slower; 0.8-0.95 is typical."),
+                "stride": _combo(XATTENTION_STRIDES, 16, "Antidiagonal stride used to score the 128-token "
+                                 "blocks (it divides the block): larger is cheaper to score and coarser. 8 or 16 "
+                                 "is typical."),
+                "min_len": _spin(1, 1048576, 8192, 1024, tip=DENSE_BELOW_TIP),
             },
         }
         labels = {"token_budget": "Token budget", "page_size": "Page size", "dense_layers": "Dense layers",
-                  "vertical_budget": "Vertical budget", "slash_budget": "Slash budget",
-                  "dense_below": "Dense below (tokens)", "threshold": "Threshold τ", "stride": "Stride"}
+                  "vertical": "Vertical lines", "slash": "Slash lines", "min_len": "Dense below (tokens)",
+                  "threshold": "Threshold τ", "stride": "Stride"}
         for key, params in self._params.items():
             page = QWidget()
             page_form = QFormLayout(page)
@@ -275,7 +281,8 @@ class PolicyPanel(QWidget):
             item = model.item(self.policy_combo.findData(key))
             ok = mode in modes
             if key not in self._engine_policies:
-                ok, why = False, f"{name} is not in this engine build yet (it arrives with the sparse policies)."
+                have = ", ".join(sorted(self._engine_policies))
+                ok, why = False, f"{name} is not in the running engine (it has {have})."
             item.setEnabled(ok)
             item.setToolTip(tip if ok else f"Not available in {mode} mode: {why}\n\n{tip}")
         self.policy_combo.setToolTip(self.policy_tooltip(self.policy()))

@@ -119,19 +119,30 @@ def block_sparse_reference(q, k, v, blocks: torch.Tensor, block: int, scale: flo
 # ------------------------------------------------------------------------------------------------ Triton kernels
 if triton is not None:
     @triton.jit
-    def _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, ok, pos, row_ok, sk_t, sv_t, offs_d, qk_scale):
-        """One tile of BN keys at `cols` (ok: which exist) into the online softmax of the block's rows."""
+    def _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, ok, pos, row_ok, sk_t, sv_t, offs_d, qk_scale,
+              MASKED: tl.constexpr):
+        """One tile of BN keys at `cols` (ok: which exist) into the online softmax of the block's rows.
+        MASKED=False: the caller knows every key exists and precedes every row (no masks, no counting)."""
         c64 = cols.to(tl.int64)
-        kt = tl.load(k_ptr + c64[None, :] * sk_t + offs_d[:, None], mask=ok[None, :], other=0.0)     # [D, BN]
-        keep = ok[None, :] & (cols[None, :] <= pos[:, None]) & row_ok[:, None]
-        s = tl.where(keep, tl.dot(q, kt) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            kt = tl.load(k_ptr + c64[:, None] * sk_t + offs_d[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
+            keep = ok[None, :] & (cols[None, :] <= pos[:, None]) & row_ok[:, None]
+            s = tl.where(keep, tl.dot(q, tl.trans(kt)) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            n_pairs += tl.sum(keep.to(tl.int32))
+            vt = tl.load(v_ptr + c64[:, None] * sv_t + offs_d[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
+        else:
+            kt = tl.load(k_ptr + c64[:, None] * sk_t + offs_d[None, :])                                # [BN, D]
+            s = tl.dot(q, tl.trans(kt)) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+            n_pairs += s.shape[0] * s.shape[1]
+            vt = tl.load(v_ptr + c64[:, None] * sv_t + offs_d[None, :])
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        vt = tl.load(v_ptr + c64[:, None] * sv_t + offs_d[None, :], mask=ok[:, None], other=0.0)     # [BN, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        return acc, m_new, l_i * alpha + tl.sum(p, 1), n_pairs + tl.sum(keep.to(tl.int32))
+        return acc, m_new, l_i * alpha + tl.sum(p, 1), n_pairs
 
     @triton.jit
     def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, tq, offset, n_vert, n_grp, cov_len, qk_scale,
@@ -151,14 +162,19 @@ if triton is not None:
         m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BM,), dtype=tl.float32)
         n_pairs = tl.sum(tl.zeros((BM,), dtype=tl.int32))
+        full_rows = m * BM + BM <= tq
         for gi in range(0, tl.load(GCNT + h * n_mb + m)):                   # slash runs, contiguous tiles
             lo = tl.load(DLO + h * n_grp + gi)
             hi = tl.load(DHI + h * n_grp + gi)
             end = tl.minimum(m0 - lo + BM, offset + tq)                     # never past the last key
             for n in range(tl.maximum(m0 - hi, 0), end, BN):
                 cols = n + tl.arange(0, BN)
-                acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos, row_ok,
-                                               sk_t, sv_t, offs_d, qk_scale)
+                if full_rows & (n + BN <= end) & (n + BN <= m0 + 1):         # inside the run, before every row
+                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos,
+                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, False)
+                else:
+                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos,
+                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, True)
         n_v = tl.load(VCNT + h * n_mb + m)
         for j in range(0, n_v, BN):                                           # vertical columns no run covers
             idx = j + tl.arange(0, BN)
@@ -166,7 +182,7 @@ if triton is not None:
             cols = tl.load(VERT + h * n_vert + idx, mask=ok, other=0)
             cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
             acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, ok & (cov == 0), pos, row_ok,
-                                           sk_t, sv_t, offs_d, qk_scale)
+                                           sk_t, sv_t, offs_d, qk_scale, True)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -189,13 +205,18 @@ if triton is not None:
         m_i = tl.full((B,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((B,), dtype=tl.float32)
         n_pairs = tl.sum(tl.zeros((B,), dtype=tl.int32))
+        full_rows = m * B + B <= tq
         base = (h * n_mb + m).to(tl.int64) * max_k
         for j in range(0, tl.load(CNT + h * n_mb + m)):
             kb = tl.load(IDX + base + j)
             for n in range(0, B, BN):
                 cols = kb * B + n + tl.arange(0, BN)
-                acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos, row_ok,
-                                               sk_t, sv_t, offs_d, qk_scale)
+                if full_rows & (kb * B + n + BN <= offset + m * B + 1):      # every key before every row
+                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos,
+                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, False)
+                else:
+                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos,
+                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, True)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -208,7 +229,8 @@ def _check(q, k, v):
         raise ValueError("sparse prefill kernel: head_dim must be a power of two with contiguous last dims")
 
 
-def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: int = 64):
+def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: int = 64, num_warps: int = 4,
+                          num_stages: int = 1):
     _check(q, k, v)
     (tq, hq, d), tk, bm = q.shape, k.shape[0], pat.block
     off, n_mb = tk - tq, -(-tq // bm)
@@ -226,11 +248,12 @@ def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: in
     _vs_kernel[(n_mb, hq)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, tq, off, vert.shape[1],
                            d_lo.shape[1], cov.shape[1], scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0),
                            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-                           G=hq // k.shape[1], BM=bm, BN=block_n, D=d, num_warps=4, num_stages=2)
+                           G=hq // k.shape[1], BM=bm, BN=block_n, D=d, num_warps=num_warps, num_stages=num_stages)
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 
-def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float, block_n: int = 64):
+def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float, block_n: int = 64,
+                        num_warps: int | None = None, num_stages: int = 2):
     _check(q, k, v)
     (tq, hq, d), tk = q.shape, k.shape[0]
     cnt = blocks.sum(dim=-1, dtype=torch.int32)
@@ -244,7 +267,7 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
                                       scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                       v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                                       G=hq // k.shape[1], B=block, BN=min(block_n, block), D=d,
-                                      num_warps=4 if block <= 64 else 8, num_stages=2)
+                                      num_warps=num_warps or (4 if block <= 64 else 8), num_stages=num_stages)
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 

@@ -52,17 +52,19 @@ class XAttentionPolicy(SparsePrefillPolicy):
             kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s * d)          # [Tk/S, S*D]
             for m0 in range(0, nqb, qb_per_chunk):
                 m1 = min(nqb, m0 + qb_per_chunk)
-                rows = q[m0 * b:m1 * b, h * g:(h + 1) * g]                                     # [r, G, D]
+                kb = min(nkb, (off + m1 * b - 1) // b + 1)        # key blocks after the chunk's last row: masked
+                rows = q[m0 * b:m1 * b, h * g:(h + 1) * g] * (scale / s)                       # [r, G, D]
                 rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
                 qs = rows.reshape(-1, s, g, d).flip(1).permute(2, 0, 1, 3).reshape(g, -1, s * d)  # [G, r/S, S*D]
-                a = (qs @ kh.T).float().mul_(scale / s)                                        # [G, r/S, Tk/S]
+                a = qs @ kh[:kb * cells].T                                                     # [G, r/S, kb*cells]
                 last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
-                a.masked_fill_(kpos[None, None] > last[None, :, None], float("-inf"))
-                a = a.softmax(dim=-1)
-                a[:, last - s + 1 >= tk] = 0                                      # padding rows past the prompt
-                share = a.reshape(g, m1 - m0, cells, nkb, cells).sum(dim=(2, 4))  # [G, chunk, nKB]
+                a.masked_fill_(kpos[None, None, :kb * cells] > last[None, :, None], float("-inf"))
+                a = a.softmax(dim=-1, dtype=torch.float32)
+                if last[-1] - s + 1 >= tk:
+                    a[:, last - s + 1 >= tk] = 0                                  # padding rows past the prompt
+                share = a.reshape(g, m1 - m0, cells, kb, cells).sum(dim=(2, 4))   # [G, chunk, kb]
                 share /= share.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-                keep[h * g:(h + 1) * g, m0:m1] = self._select(share)
+                keep[h * g:(h + 1) * g, m0:m1, :kb] = self._select(share)
         first = (off + torch.arange(nqb, device=q.device) * b) // b             # the diagonal: a query block's own
         lastb = (off + torch.clamp(torch.arange(1, nqb + 1, device=q.device) * b, max=tq) - 1) // b  # key blocks
         n = torch.arange(nkb, device=q.device)

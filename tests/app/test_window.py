@@ -82,7 +82,7 @@ def test_window_opens_and_loads_the_model(window, qtbot, default_model_dir, doc)
     assert "/ 2,048 tokens" in window.document_panel.context_text()
     assert window.worker.engine_config == engine_kwargs(window.policy_panel.config(), window.engine_overrides)
     assert {d.windowTitle() for d in window.docks.values()} == {"Document", "Policy", "Timeline", "Ring buffer",
-                                                                 "Metrics", "Quest"}
+                                                                 "Metrics", "Quest", "Masks"}
     menus = {a.text().replace("&", ""): a.menu() for a in window.menuBar().actions()}
     assert set(menus) == {"File", "View", "Help"}
     view_items = [a.text().replace("&", "") for a in menus["View"].actions()]
@@ -143,8 +143,8 @@ def test_stop_ends_a_long_answer_quickly_and_the_window_stays_usable(window, qtb
 def test_export_bundle(window, tmp_path):
     out = window.export_bundle(tmp_path / "bundle")
     assert out == tmp_path / "bundle"
-    for name in ("window.png", "timeline.png", "ring.png", "quest.png", "metrics.png", "chat.png", "trace.json",
-                 "chat.md", "chat.json", "config.json"):
+    for name in ("window.png", "timeline.png", "ring.png", "quest.png", "masks.png", "metrics.png", "chat.png",
+                 "trace.json", "chat.md", "chat.json", "config.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     trace = json.loads((out / "trace.json").read_text())
     assert check_chrome_trace(trace) == []
@@ -182,6 +182,38 @@ def test_quest_view_shows_the_pages_quest_picked(window, qtbot, tmp_path, doc):
         assert step.quest and all(len(p.blocks) < p.n_blocks for p in step.quest)
         assert window.quest.image().shape[0] == len({p.layer for p in step.quest}) and window.quest.image().any()
         assert f"step {step.step}" in window.quest.caption.text()
+    finally:
+        panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("full"))
+        window.open_document(str(doc))
+        qtbot.waitUntil(lambda: window.document_panel.document_name() == doc.name and not window.is_busy(),
+                        timeout=30_000)
+
+
+def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
+    long_doc = tmp_path / "planning-long.md"                # longer than the policy's dense-below length
+    long_doc.write_text(DOC_TEXT + "\n" + WORDS * 3)
+    window.open_document(str(long_doc))
+    qtbot.waitUntil(lambda: window.document_panel.document_name() == long_doc.name and not window.is_busy(),
+                    timeout=30_000)
+    panel, llm = window.policy_panel, window.worker.llm
+    assert window.worker.engine_config["mode"] == "layerwise" and window.masks.showing_hint()
+    panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("minference"))
+    params = panel._params["minference"]
+    params["vertical"].setValue(0.1)                        # a tenth of the prompt's columns
+    params["slash"].setValue(0.3)
+    params["min_len"].setValue(256)
+    window.docks["masks"].raise_()
+    try:
+        ask(qtbot, window, QUESTION)
+        assert window.worker.engine_config["policy_params"] == {"vertical": 0.1, "slash": 0.3, "min_len": 256}
+        assert window.worker.llm is llm                     # only the policy changed: switched, not rebuilt
+        assert window.status.policy_label.text() == "policy: MInference"
+        qtbot.waitUntil(lambda: not window.masks.showing_hint(), timeout=5000)
+        p = window.masks.current()
+        assert p.kind == "minference" and p.n > 400 and p.offset == 0 and len(p.layers) == 30
+        density = p.masks[(0, 0)].density
+        assert 0 < density < 1 and f"density {100 * density:.1f}%" in window.masks.caption.text()
+        assert window.masks.image().any() and not window.masks.showing_hint()
     finally:
         panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("full"))
         window.open_document(str(doc))

@@ -234,7 +234,7 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     other.set_config(policy.config())
     assert other.config() == cfg
     xa = {"mode": "gpu", "kv_block_size": 256, "policy": "xattention",
-          "policy_params": {"threshold": 0.8, "stride": 16}}
+          "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096}}
     other.set_config(xa)
     assert other.config() == xa   # no offload knobs in gpu mode
 
@@ -243,7 +243,36 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     assert changed.args[0]["ring_slots"] == 2 and changed.args[0]["policy"] == "quest"
     with qtbot.waitSignal(policy.config_changed) as changed:
         policy.policy_combo.setCurrentIndex(policy.policy_combo.findData("minference"))
-    assert changed.args[0]["policy_params"].keys() == {"vertical_budget", "slash_budget", "dense_below"}
+    assert changed.args[0]["policy_params"] == {"vertical": 1000, "slash": 6096, "min_len": 8192}   # the engine's
+    mi = {"mode": "gpu", "kv_block_size": 256, "policy": "minference",
+          "policy_params": {"vertical": 0.05, "slash": 2048, "min_len": 1024}}               # a fraction, counts
+    other.set_config(mi)
+    assert other.config() == mi
+
+
+def test_sparse_policy_defaults_are_the_engines(policy):
+    import inspect
+
+    from engine.sparse.minference import MInferencePolicy
+    from engine.sparse.xattention import XAttentionPolicy
+    for key, cls in (("minference", MInferencePolicy), ("xattention", XAttentionPolicy)):
+        policy.policy_combo.setCurrentIndex(policy.policy_combo.findData(key))
+        params = policy.config()["policy_params"]
+        engine = inspect.signature(cls).parameters
+        assert params == {name: engine[name].default for name in params}, key
+        cls(**params)                                      # the engine takes them as they are
+    assert list(policy.config()["policy_params"]) == ["threshold", "stride", "min_len"]
+
+
+def test_policies_the_engine_lacks_are_disabled(policy):
+    from engine import POLICIES as ENGINE_POLICIES
+    policy.mode_combo.setCurrentIndex(policy.mode_combo.findData("layerwise"))
+    policy.set_engine_policies(ENGINE_POLICIES)
+    model = policy.policy_combo.model()
+    assert all(model.item(policy.policy_combo.findData(k)).isEnabled() for k in ENGINE_POLICIES)
+    policy.set_engine_policies(["full", "quest"])
+    assert not model.item(policy.policy_combo.findData("xattention")).isEnabled()
+    assert "not in the running engine" in policy.policy_tooltip("xattention")
 
 
 def test_busy_label_and_load_progress(policy, qtbot):

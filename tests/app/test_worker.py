@@ -1,0 +1,75 @@
+"""The engine worker on the real engine (the default model, CPU), driven directly on the test's thread: a policy
+change switches the loaded engine's policy instead of rebuilding it, and a bad parameter reaches the user."""
+import pytest
+
+from app.worker import EngineWorker
+from engine.trace.events import PREFILL
+
+DOC = ("The harbour office keeps a log of every ship that enters the port. " * 40).strip()
+MI_PARAMS = {"min_len": 256, "vertical": 96, "slash": 192}
+
+
+class Signals:
+    def __init__(self, worker: EngineWorker):
+        self.errors, self.ready, self.answers = [], [], []
+        worker.error.connect(self.errors.append)
+        worker.model_ready.connect(self.ready.append)
+        worker.answer_done.connect(self.answers.append)
+
+
+@pytest.fixture(scope="module")
+def worker(qapp, default_model_dir, tmp_path_factory):
+    w = EngineWorker()
+    w.signals = Signals(w)
+    w.load_model({"model": str(default_model_dir), "device": "cpu", "max_model_len": 2048, "mode": "gpu",
+                  "kv_block_size": 64, "policy": "full", "policy_params": {}})
+    doc = tmp_path_factory.mktemp("doc") / "log.md"
+    doc.write_text(DOC)
+    w.open_document(str(doc))
+    assert w.llm is not None and w.signals.errors == []
+    return w
+
+
+def _ask(worker) -> list:
+    n = len(worker.signals.answers)
+    worker.ask("Who keeps the log?", {"max_tokens": 2}, "")
+    assert len(worker.signals.answers) == n + 1 and worker.signals.errors == []
+    return worker.turn_steps
+
+
+def test_a_policy_change_switches_the_loaded_engine(worker):
+    llm, ready = worker.llm, len(worker.signals.ready)
+    assert not any(s.masks for s in _ask(worker))                    # full: dense prefill
+    config = {**worker.engine_config, "policy": "minference", "policy_params": MI_PARAMS}
+    worker.load_model(config)
+    assert worker.llm is llm and worker.engine_config == config and worker.signals.errors == []
+    assert llm.config.policy == "minference" and llm.config.policy_params == MI_PARAMS
+    assert len(worker.signals.ready) == ready + 1 and worker.signals.ready[-1]["policy"] == "minference"
+    assert worker.history                                            # the chat goes on
+    prefill = [s for s in _ask(worker) if s.phase == PREFILL]
+    assert prefill and prefill[0].masks and prefill[0].n_tokens > 256  # the prefix cache was dropped: all new
+    assert {m.layer for m in prefill[0].masks} == set(range(30))
+    worker.load_model({**config, "policy": "full", "policy_params": {}})
+    assert worker.llm is llm and not any(s.masks for s in _ask(worker))
+
+
+def test_a_bad_policy_parameter_reaches_the_user_and_keeps_the_engine(worker):
+    llm, config = worker.llm, dict(worker.engine_config)
+    worker.load_model({**config, "policy": "xattention", "policy_params": {"stride": 7}})
+    assert worker.llm is llm and worker.engine_config == config
+    assert len(worker.signals.errors) == 1
+    assert "xattention" in worker.signals.errors[0] and "stride" in worker.signals.errors[0]
+    worker.load_model({**config, "policy": "quest", "policy_params": {}})     # Quest cannot run in gpu mode
+    assert "layerwise" in worker.signals.errors[-1] and worker.engine_config == config
+    worker.signals.errors.clear()
+
+
+def test_another_engine_setting_rebuilds_the_engine(worker):
+    llm = worker.llm
+    config = {**worker.engine_config, "kv_block_size": 128, "policy": "xattention",
+              "policy_params": {"min_len": 256, "threshold": 0.8}}
+    worker.load_model(config)
+    assert worker.signals.errors == [] and worker.llm is not llm and worker.engine_config == config
+    assert worker.llm.config.kv_block_size == 128 and worker.llm.config.policy == "xattention"
+    prefill = [s for s in _ask(worker) if s.phase == PREFILL]
+    assert prefill[0].masks and prefill[0].masks[0].image is not None

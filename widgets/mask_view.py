@@ -1,0 +1,338 @@
+"""Sparse prefill masks: which (query, key) pairs MInference or XAttention computed in one layer of a prefill.
+
+One uint8 `ImageItem` (fixed levels, a lookup table from the background to the mask colour): rows = query
+positions (top to bottom), columns = key positions, binned to at most 256 x 256 token ranges (widgets/
+mask_pattern.py). A cell's colour is the share of its causal pairs that were computed (any computed pair shows at
+least LOW, so a lone vertical line stays visible); the upper triangle is never computed and stays empty, and so do
+the rows of prompt tokens that came from the prefix cache. One query head, or the mean of the heads. Below the
+mask, a strip of bars gives each layer's mean density (click one to show that layer). The newest prefill with
+masks is shown; a chooser goes back to earlier ones.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QEvent, QRectF, Qt
+from PySide6.QtGui import QColor, QPalette
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QStackedLayout, QVBoxLayout, QWidget
+
+from engine.trace.events import PREFILL
+from widgets.export import add_export_actions
+from widgets.mask_pattern import MINFERENCE, NAMES, PrefillMasks, bin_edges
+from widgets.trace_common import KIND_COLORS, show_hover
+
+NO_MASKS_HINT = ("no sparse prefill masks: choose MInference or XAttention and send a prompt longer than the "
+                 "policy's dense-below length")
+MASK_COLOR = KIND_COLORS["attention"]
+MAX_PREFILLS = 8     # masks of a long prompt are large (MInference: ~7K ints per head and layer)
+MEAN_HEADS = -1
+LOW = 0.25           # a cell with any computed pair shows at least this much colour
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _span(values) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+class MaskView(QWidget):
+    """API: `set_steps(steps)`, `append_steps(steps)` (prefill steps with masks; the last `max_prefills` kept),
+    `clear()`, `set_prefill_index(i)`, `set_layer(layer)`, `set_head(h)` (MEAN_HEADS = -1 for the mean of the
+    heads); read back `image()` (the uint8 array shown, row i = query tokens edges()[i]..edges()[i+1]-1, column j
+    likewise for keys), `fractions()` (each cell's share of computed pairs), `current()` (the PrefillMasks shown),
+    `layer()`, `head()`, `layer_densities()`, `prefill_count()`, `showing_hint()`, `caption.text()`,
+    `tooltip_at(x, y)` (x = key position, y = query position)."""
+
+    def __init__(self, max_prefills: int = MAX_PREFILLS, parent: QWidget | None = None):
+        super().__init__(parent)
+        self._prefills: deque[PrefillMasks] = deque(maxlen=max_prefills)
+        self._index = -1
+        self._image = np.zeros((0, 0), dtype=np.uint8)
+        self._fractions = np.zeros((0, 0))
+        self._edges = np.zeros(1, dtype=np.int64)
+        self._cache: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.hover_text = ""
+
+        self.prefill_combo = QComboBox(toolTip="The recorded prefill whose masks are shown (newest last)")
+        self.layer_combo = QComboBox(toolTip="The layer whose mask is shown (or click its bar below)")
+        self.head_combo = QComboBox(toolTip="The query head whose mask is shown, or the mean of the heads")
+        self.caption = QLabel()
+        self.caption.setWordWrap(True)
+        self.plot = pg.PlotWidget()
+        self.plot.hideButtons()
+        item = self.plot.getPlotItem()
+        self.viewbox: pg.ViewBox = item.getViewBox()
+        self.viewbox.invertY(True)                   # the first query on top
+        self.viewbox.setAspectLocked(True)
+        item.setLabel("bottom", "key position")
+        item.setLabel("left", "query position")
+        self.img = pg.ImageItem(axisOrder="row-major")
+        self.img.setLevels([0, 255])
+        self.plot.addItem(self.img)
+        self.export_actions = add_export_actions(self.plot, "masks")
+        self.strip = pg.PlotWidget()
+        self.strip.hideButtons()
+        self.strip.setFixedHeight(90)
+        self.strip.setMouseEnabled(x=False, y=False)
+        strip_item = self.strip.getPlotItem()
+        strip_item.setLabel("left", "density")
+        strip_item.setLabel("bottom", "layer")
+        self.strip.setYRange(0, 1, padding=0.05)
+        strip_item.getAxis("left").setTicks([[(0.0, "0"), (0.5, "50%"), (1.0, "100%")]])
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8)
+        self.strip.addItem(self.bars)
+
+        controls = QHBoxLayout()
+        for label, combo in (("prefill", self.prefill_combo), ("layer", self.layer_combo),
+                             ("head", self.head_combo)):
+            controls.addWidget(QLabel(label))
+            controls.addWidget(combo)
+        controls.addStretch(1)
+        content = QWidget()
+        col = QVBoxLayout(content)
+        col.setContentsMargins(0, 0, 0, 0)
+        col.addLayout(controls)
+        col.addWidget(self.caption)
+        col.addWidget(self.plot, 1)
+        col.addWidget(self.strip)
+        self.hint_label = QLabel(NO_MASKS_HINT, alignment=Qt.AlignmentFlag.AlignCenter)
+        self.hint_label.setWordWrap(True)
+        self._stack = QStackedLayout(self)
+        self._stack.addWidget(content)
+        self._stack.addWidget(self.hint_label)
+        self._stack.setCurrentWidget(self.hint_label)
+
+        self.prefill_combo.currentIndexChanged.connect(self._on_prefill_chosen)
+        self.layer_combo.currentIndexChanged.connect(lambda *_: self._redraw())
+        self.head_combo.currentIndexChanged.connect(lambda *_: self._redraw())
+        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self.strip.scene().sigMouseClicked.connect(self._on_strip_clicked)
+        self._apply_palette()
+
+    # ---------------------------------------------------------------- palette
+    def changeEvent(self, event) -> None:
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange):
+            self._apply_palette()
+        super().changeEvent(event)
+
+    def _apply_palette(self) -> None:
+        """Background and axes from the palette; the lookup table runs from the background to MASK_COLOR."""
+        pal = self.palette()
+        bg, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
+        for plot in (self.plot, self.strip):
+            plot.setBackground(bg)
+            for name in ("left", "bottom"):
+                axis = plot.getPlotItem().getAxis(name)
+                axis.setPen(fg)
+                axis.setTextPen(fg)
+        c = QColor(MASK_COLOR)
+        t = np.linspace(0.0, 1.0, 256)[:, None]
+        lut = (1 - t) * [bg.red(), bg.green(), bg.blue()] + t * [c.red(), c.green(), c.blue()]
+        self.img.setLookupTable(np.round(lut).astype(np.uint8))
+        self._draw_strip()
+
+    # ---------------------------------------------------------------- history
+    def set_steps(self, steps) -> None:
+        """Show these steps' masks (prefill steps with masks only), replacing what was shown; newest selected."""
+        self._prefills.clear()
+        self._cache.clear()
+        self._prefills.extend(p for p in map(self._masks_of, steps) if p is not None)
+        self._index = len(self._prefills) - 1
+        self._sync_prefills()
+        self._redraw()
+
+    def append_steps(self, steps) -> None:
+        """Add new steps (oldest first); a new prefill with masks is shown when the newest one was."""
+        new = [p for p in map(self._masks_of, steps) if p is not None]
+        if not new:
+            return
+        shown = self.current()
+        follow = shown is None or self._index == len(self._prefills) - 1
+        self._prefills.extend(new)
+        kept = {id(p) for p in self._prefills}
+        self._cache = {k: v for k, v in self._cache.items() if k[0] in kept}
+        self._index = next((i for i, p in enumerate(self._prefills) if p is shown and not follow),
+                           len(self._prefills) - 1)
+        self._sync_prefills()
+        self._redraw()
+
+    @staticmethod
+    def _masks_of(step) -> PrefillMasks | None:
+        return PrefillMasks.from_step(step) if step.phase == PREFILL and step.masks else None
+
+    def clear(self) -> None:
+        self._prefills.clear()
+        self._cache.clear()
+        self._index = -1
+        self._sync_prefills()
+        self._redraw()
+
+    def prefill_count(self) -> int:
+        return len(self._prefills)
+
+    def current(self) -> PrefillMasks | None:
+        return self._prefills[self._index] if 0 <= self._index < len(self._prefills) else None
+
+    def set_prefill_index(self, i: int) -> None:
+        """Show the i-th recorded prefill with masks (negative counts from the newest)."""
+        if self._prefills:
+            self.prefill_combo.setCurrentIndex(max(0, min(len(self._prefills) - 1, i % len(self._prefills))))
+
+    def _on_prefill_chosen(self, i: int) -> None:
+        if 0 <= i < len(self._prefills) and i != self._index:
+            self._index = i
+            self._redraw()
+
+    def _sync_prefills(self) -> None:
+        combo = self.prefill_combo
+        combo.blockSignals(True)
+        combo.clear()
+        for p in self._prefills:
+            combo.addItem(f"step {p.step} · {p.n:,} tokens")
+        combo.setCurrentIndex(self._index)
+        combo.blockSignals(False)
+
+    # ---------------------------------------------------------------- layer and head
+    def layer(self) -> int:
+        data = self.layer_combo.currentData()
+        return -1 if data is None else int(data)
+
+    def set_layer(self, layer: int) -> None:
+        i = self.layer_combo.findData(int(layer))
+        if i >= 0:
+            self.layer_combo.setCurrentIndex(i)
+
+    def head(self) -> int:
+        """The query head shown (MEAN_HEADS = -1: the mean of the heads)."""
+        data = self.head_combo.currentData()
+        return MEAN_HEADS if data is None else int(data)
+
+    def set_head(self, h: int) -> None:
+        i = self.head_combo.findData(int(h))
+        if i >= 0:
+            self.head_combo.setCurrentIndex(i)
+
+    def _sync_choices(self, p: PrefillMasks) -> None:
+        """Layers and heads of the prefill shown, keeping the chosen ones where it has them."""
+        layer, head = self.layer(), self.head() if self.head_combo.count() else 0
+        for combo, items, keep in ((self.layer_combo, [(str(x), x) for x in p.layers], layer),
+                                   (self.head_combo, [(str(h), h) for h in range(p.n_heads)]
+                                    + [("mean of heads", MEAN_HEADS)], head)):
+            combo.blockSignals(True)
+            if [combo.itemData(i) for i in range(combo.count())] != [d for _, d in items]:
+                combo.clear()
+                for text, data in items:
+                    combo.addItem(text, data)
+            combo.setCurrentIndex(max(0, combo.findData(keep)))
+            combo.blockSignals(False)
+
+    # ---------------------------------------------------------------- drawing
+    def image(self) -> np.ndarray:
+        """The uint8 image shown: rows = query token bins, columns = key token bins (`edges()`)."""
+        return self._image.copy()
+
+    def fractions(self) -> np.ndarray:
+        """Each cell's share of its causal pairs that were computed (0 where it has none)."""
+        return self._fractions.copy()
+
+    def edges(self) -> np.ndarray:
+        """Token boundaries of the bins (the same for rows and columns): bin i is edges[i] .. edges[i+1]-1."""
+        return self._edges.copy()
+
+    def layer_densities(self) -> dict[int, float]:
+        """Mean density over the heads of each layer of the prefill shown."""
+        p = self.current()
+        return {} if p is None else {layer: p.layer_density(layer) for layer in p.layers}
+
+    def showing_hint(self) -> bool:
+        return self._stack.currentWidget() is self.hint_label
+
+    def _cells(self, p: PrefillMasks, layer: int, head: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (id(p), layer, head)
+        if key not in self._cache:
+            self._cache[key] = p.cells(layer, head, self._edges)
+        return self._cache[key]
+
+    def _redraw(self) -> None:
+        p = self.current()
+        if p is None:
+            self._image, self._fractions = np.zeros((0, 0), dtype=np.uint8), np.zeros((0, 0))
+            self.img.clear()
+            self.caption.setText("")
+            self._draw_strip()
+            self._stack.setCurrentWidget(self.hint_label)
+            return
+        self._sync_choices(p)
+        self._edges = bin_edges(p.n)
+        kept, causal = self._cells(p, self.layer(), self.head())
+        self._fractions = np.divide(kept, causal, out=np.zeros_like(kept, dtype=float), where=causal > 0)
+        shown = np.where(kept > 0, LOW + (1 - LOW) * self._fractions, 0.0)
+        self._image = np.clip(np.round(shown * 255), 0, 255).astype(np.uint8)
+        self.img.setImage(self._image, autoLevels=False, levels=(0, 255))
+        self.img.setRect(QRectF(0, 0, p.n, p.n))
+        self.viewbox.setRange(xRange=(0, p.n), yRange=(0, p.n), padding=0)
+        self.caption.setText(self._caption(p))
+        self._draw_strip()
+        self._stack.setCurrentIndex(0)
+
+    def _caption(self, p: PrefillMasks) -> str:
+        layer, head = self.layer(), self.head()
+        ms = p.heads(layer) if head == MEAN_HEADS else [p.masks[(layer, head)]]
+        who = f"mean of {len(ms)} heads" if head == MEAN_HEADS else f"head {head}"
+        density = float(np.mean([m.density for m in ms]))
+        text = (f"{NAMES[p.kind]} · prefill step {p.step} · layer {layer} · {who} · {p.n:,} tokens · "
+                f"density {_pct(density)}")
+        if p.offset:
+            text += f" · queries from {p.offset:,} (the first {p.offset:,} tokens came from the prefix cache)"
+        if p.kind == MINFERENCE:
+            text += (f" · {_span([len(m.vertical) for m in ms])} verticals, {_span([len(m.slash) for m in ms])} "
+                     "slashes" + (" per head" if len(ms) > 1 else ""))
+        return text
+
+    def _draw_strip(self) -> None:
+        densities = self.layer_densities()
+        layers = list(densities)
+        shown = self.layer()
+        brushes = [pg.mkBrush(MASK_COLOR if x == shown else QColor(MASK_COLOR).lighter(160)) for x in layers]
+        self.bars.setOpts(x=layers, height=[densities[x] for x in layers], width=0.8, brushes=brushes,
+                          pen=pg.mkPen(None))
+        if layers:
+            self.strip.setXRange(layers[0] - 0.5, layers[-1] + 0.5, padding=0)
+
+    def _on_strip_clicked(self, event) -> None:
+        vb = self.strip.getPlotItem().getViewBox()
+        if vb.sceneBoundingRect().contains(event.scenePos()):
+            self.set_layer(int(round(vb.mapSceneToView(event.scenePos()).x())))
+
+    # ---------------------------------------------------------------- hover
+    def tooltip_at(self, x: float, y: float) -> str:
+        """What the cell under (key x, query y) holds: its token ranges and its share of computed pairs."""
+        p = self.current()
+        if p is None or not (0 <= x < p.n and 0 <= y < p.n):
+            return ""
+        e = self._edges
+        i, j = (int(np.searchsorted(e, v, side="right")) - 1 for v in (y, x))
+        r0, r1, c0, c1 = e[i], e[i + 1] - 1, e[j], e[j + 1] - 1
+        lines = [f"queries {r0:,}-{r1:,} · keys {c0:,}-{c1:,}"]
+        if c0 > r1:
+            lines.append("above the diagonal: a query never sees later keys")
+        elif r1 < p.offset:
+            lines.append("prefix cache: these queries were not computed in this prefill")
+        else:
+            lines.append(f"{_pct(self._fractions[i, j])} of the cell's causal pairs computed")
+            if p.kind == MINFERENCE and self.head() != MEAN_HEADS:
+                m = p.masks[(self.layer(), self.head())]
+                v = np.asarray(m.vertical).ravel()
+                d = np.asarray(m.slash).ravel()
+                nv = int(((v >= c0) & (v <= c1)).sum())
+                ns = int(((d >= max(0, r0 - c1)) & (d <= r1 - c0)).sum())
+                lines.append(f"{nv} vertical columns, {ns} slash diagonals cross it")
+        return "\n".join(lines)
+
+    def _on_mouse_moved(self, scene_pos) -> None:
+        self.hover_text = show_hover(self.plot, self.viewbox, scene_pos, self.tooltip_at)
