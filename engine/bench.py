@@ -24,7 +24,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sparse import POLICY_MODES
+from engine.sparse import POLICY_MODES, parse_policy_spec
 
 
 def _sync(device: torch.device) -> None:
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     max_len = max(lengths) + steps + 16
 
     bases = [Ours(args, max_len, m) for m in args.modes.split(",")]
-    ours = [o if name == "full" else o.variant(name, params) for o in bases for name, params in _policies(args.policies)
+    ours = [o if name == "full" else o.variant(name, params) for o in bases for name, params in parse_policy_spec(args.policies)
             if o.mode in POLICY_MODES[name]]
     engines = ours + ([OursTraced(ours[0])] if args.trace else [])
     if not args.no_transformers or args.hf_offloaded:
@@ -336,19 +336,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"setup": desc, "rows": rows, "offload": extra["data"]}, f, indent=2)
     return 0
-
-
-def _policies(spec: str) -> list[tuple[str, dict]]:
-    """"full,quest:token_budget=1024:page_size=16" -> [("full", {}), ("quest", {"token_budget": 1024, ...})]."""
-    out = []
-    for item in spec.split(","):
-        name, *kvs = item.split(":")
-        params = {}
-        for kv in kvs:
-            key, value = kv.split("=")
-            params[key] = json.loads(value) if value not in ("True", "False") else value == "True"
-        out.append((name, params))
-    return out
 
 
 def _ratio(ours: float, other: float, what: str) -> str:

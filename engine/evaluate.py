@@ -98,19 +98,23 @@ def main(argv=None) -> int:
     n.add_argument("--lengths", default="2048,4096,7000")
     n.add_argument("--depths", default="0.1,0.5,0.9")
     n.add_argument("--kinds", default=",".join(NEEDLES))
-    n.add_argument("--policy", default="full", help="comma separated: full,quest")
+    n.add_argument("--policy", default="full", help="comma separated, each name[:key=value...], e.g. "
+                   "full,quest:token_budget=512,minference:min_len=1024 (quest takes --quest-budget/--quest-page "
+                   "unless given)")
     n.add_argument("--quest-budget", type=int, default=1024)
     n.add_argument("--quest-page", type=int, default=16)
     n.add_argument("--block-size", type=int, default=256)
     n.add_argument("--json", default=None, help="also write every cell (answer included) to this file")
     args = p.parse_args(argv)
     from engine import LLM
+    from engine.sparse import parse_policy_spec
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     kinds = args.kinds.split(",")
     cells: list[Cell] = []
-    for policy in args.policy.split(","):
+    for policy, given in parse_policy_spec(args.policy):
         params = {"token_budget": args.quest_budget, "page_size": args.quest_page} if policy == "quest" else {}
+        params.update(given)
         llm = LLM(args.model, device=args.device, mode=args.mode, policy=policy, policy_params=params,
                   kv_block_size=args.block_size, max_model_len=max(lengths) + 64)
         got = run_needles(llm, policy, lengths, depths, kinds)

@@ -1,4 +1,6 @@
 """Sparse attention policies (DESIGN.md §2.3): the hooks the engine's modes call."""
+import json
+
 from engine.errors import ConfigError
 from engine.sparse.minference import MInferencePolicy
 from engine.sparse.policy import FullPolicy, KVLayout, PolicyContext, SparsePolicy, SparsePrefillPolicy
@@ -26,6 +28,25 @@ def make_policy(name: str, params: dict | None, mode: str) -> SparsePolicy:
         return POLICY_CLASSES[name](**(params or {}))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{name} policy: {e}") from None
+
+
+def parse_policy_spec(spec: str) -> list[tuple[str, dict]]:
+    """"full,quest:token_budget=1024:page_size=16" -> [("full", {}), ("quest", {"token_budget": 1024, ...})]
+    (values are JSON numbers, or true/false)."""
+    out = []
+    for item in spec.split(","):
+        name, *pairs = item.split(":")
+        params = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            try:
+                params[key] = json.loads(value.lower() if value in ("True", "False") else value)
+            except json.JSONDecodeError:
+                raise ConfigError(f"policy {name}: {pair!r} is not key=number (e.g. {name}:min_len=1024)") from None
+            if not sep:
+                raise ConfigError(f"policy {name}: {pair!r} is not key=value")
+        out.append((name, params))
+    return out
 
 
 __all__ = ["FullPolicy", "KVLayout", "MInferencePolicy", "PolicyContext", "QuestPolicy", "SparsePolicy",
