@@ -139,17 +139,19 @@ class PrefillMasks:
         return cls(step.step, kind_of(first), n, offset, masks, sorted({k[0] for k in masks}),
                    1 + max(k[1] for k in masks))
 
-    def heads(self, layer: int) -> list[MaskSummary]:
-        return [self.masks[(layer, h)] for h in range(self.n_heads) if (layer, h) in self.masks]
+    def heads(self, layer: int, head: int = -1) -> list[MaskSummary]:
+        """The masks of `layer`: every head's (head -1), or the one head's (none if it was not recorded)."""
+        hs = range(self.n_heads) if head < 0 else [head]
+        return [self.masks[(layer, h)] for h in hs if (layer, h) in self.masks]
 
     def layer_density(self, layer: int) -> float:
         return float(np.mean([m.density for m in self.heads(layer)]))
 
     def cells(self, layer: int, head: int, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(kept, causal) of one head, or summed over the heads for head -1."""
-        ms = self.heads(layer) if head < 0 else [self.masks[(layer, head)]]
-        kept, causal = 0, 0
-        for m in ms:
+        r = len(edges) - 1
+        kept, causal = np.zeros((r, r)), np.zeros((r, r))
+        for m in self.heads(layer, head):
             if m.image is not None:
                 k, c = block_cells(m.image, self.n, self.offset, edges)
             else:

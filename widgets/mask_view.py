@@ -282,8 +282,10 @@ class MaskView(QWidget):
 
     def _caption(self, p: PrefillMasks) -> str:
         layer, head = self.layer(), self.head()
-        ms = p.heads(layer) if head == MEAN_HEADS else [p.masks[(layer, head)]]
+        ms = p.heads(layer, head)
         who = f"mean of {len(ms)} heads" if head == MEAN_HEADS else f"head {head}"
+        if not ms:
+            return f"{NAMES[p.kind]} · prefill step {p.step} · layer {layer} · {who}: not recorded"
         density = float(np.mean([m.density for m in ms]))
         text = (f"{NAMES[p.kind]} · prefill step {p.step} · layer {layer} · {who} · {p.n:,} tokens · "
                 f"density {_pct(density)}")
@@ -325,8 +327,9 @@ class MaskView(QWidget):
             lines.append("prefix cache: these queries were not computed in this prefill")
         else:
             lines.append(f"{_pct(self._fractions[i, j])} of the cell's causal pairs computed")
-            if p.kind == MINFERENCE and self.head() != MEAN_HEADS:
-                m = p.masks[(self.layer(), self.head())]
+            ms = p.heads(self.layer(), self.head())
+            if p.kind == MINFERENCE and self.head() != MEAN_HEADS and ms:
+                m = ms[0]
                 v = np.asarray(m.vertical).ravel()
                 d = np.asarray(m.slash).ravel()
                 nv = int(((v >= c0) & (v <= c1)).sum())
