@@ -31,3 +31,23 @@ def test_command_line_writes_every_cell(tmp_path, capsys, default_model_dir):
     assert main(["needle", "--model", str(default_model_dir), "--device", "cpu", "--lengths", "600", "--depths",
                  "0.5", "--kinds", "place", "--block-size", "64", "--json", str(out)]) == 0
     assert "depth 50%" in capsys.readouterr().out and '"kind": "place"' in out.read_text()
+
+
+SPARSE = [("quest", {"token_budget": 512, "page_size": 16}),                          # a quarter of the prompt
+          ("minference", {"min_len": 1024, "vertical": 128, "slash": 256}),
+          ("xattention", {"min_len": 1024, "threshold": 0.9, "stride": 8, "block": 64})]
+
+
+def test_each_policy_finds_the_needles_full_finds(llm):
+    """The acceptance check of the sparse policies at the default model's scale (the full grid is in the README)."""
+    depths = [0.1, 0.5, 0.9]
+    full = [c.hit for c in run_needles(llm, "full", [1900], depths, ["number"])]
+    assert any(full)
+    try:
+        for name, params in SPARSE:
+            llm.set_policy(name, params)
+            cells = run_needles(llm, name, [1900], depths, ["number"])
+            missed = [c for c, want in zip(cells, full) if want and not c.hit]
+            assert not missed, f"{name} missed {[(c.depth, c.answer) for c in missed]}"
+    finally:
+        llm.set_policy("full")
