@@ -33,7 +33,8 @@ def _sync(device: torch.device) -> None:
 
 
 class Ours:
-    def __init__(self, args, max_len: int, mode: str = "gpu"):
+    def __init__(self, args, max_len: int, mode: str = "gpu", policy: str = "full", params: dict | None = None):
+        """The engine is built with `policy` (a layerwise plan keeps Quest's dense layers resident first)."""
         self.name = "kvscope" if mode == "gpu" else mode
         self.mode = mode
         kw = {"ring_slots": args.ring_slots, "gpu_kv_budget_gb": args.gpu_kv_budget} if mode != "gpu" else {}
@@ -42,17 +43,20 @@ class Ours:
             kw["num_kv_blocks"] = -(-max_len // block) + 1
         mem0 = _allocated()
         self.llm = LLM(args.model, shape=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=1,
-                       max_model_len=max_len, enforce_eager=args.eager, mode=mode, kv_block_size=block, **kw)
+                       max_model_len=max_len, enforce_eager=args.eager, mode=mode, kv_block_size=block,
+                       policy=policy, policy_params=params or {}, **kw)
         self.static_bytes = _allocated() - mem0   # weights + KV buffers
         self.peak_bytes = 0
         self.gen = torch.Generator().manual_seed(0)
         self.vocab = self.llm.args.vocab_size
         self.base, self.policy, self.params = self.name, "full", {}
+        if policy != "full":
+            self.name, self.policy, self.params = f"{self.name}+{policy}", policy, params or {}
 
     def variant(self, policy: str, params: dict) -> "Ours":
         """The same engine running another policy (switched before each of its runs)."""
         v = copy.copy(self)
-        v.name, v.policy, v.params = f"{self.name}+{policy}", policy, params
+        v.name, v.policy, v.params = self.base if policy == "full" else f"{self.base}+{policy}", policy, params
         return v
 
     def _use(self, **extra) -> None:
@@ -273,9 +277,12 @@ def main(argv=None) -> int:
     steps = args.decode_steps or (64 if on_gpu else 32)
     max_len = max(lengths) + steps + 16
 
-    bases = [Ours(args, max_len, m) for m in args.modes.split(",")]
-    ours = [o if name == "full" else o.variant(name, params) for o in bases for name, params in parse_policy_spec(args.policies)
-            if o.mode in POLICY_MODES[name]]
+    policies = parse_policy_spec(args.policies)
+    ours, bases = [], []
+    for m in args.modes.split(","):     # one engine per mode, built with its first policy; the others switch
+        mine = [(name, params) for name, params in policies if m in POLICY_MODES[name]]
+        bases.append(Ours(args, max_len, m, *mine[0]))
+        ours += [bases[-1]] + [bases[-1].variant(name, params) for name, params in mine[1:]]
     engines = ours + ([OursTraced(ours[0])] if args.trace else [])
     if not args.no_transformers or args.hf_offloaded:
         hf = Transformers(args, ours[0])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.attention import decode_attention, store_kv
+from engine.offload.decode_graphs import DecodeGraphs
 from engine.offload.planner import ResidencyPlan, plan_residency
 from engine.offload.runner import OffloadRunner
 from engine.offload.streams import wait_on
@@ -29,8 +30,9 @@ class LayerwiseRunner(OffloadRunner):
         a, cfg = self.args, self.config
         layer_bytes = self.max_blocks_per_seq * self.block_bytes // a.num_layers
         budget = None if cfg.gpu_kv_budget_gb is None else int(cfg.gpu_kv_budget_gb * 2**30)
+        prefer = tuple(range(getattr(self.policy, "dense_layers", 0))) if self.policy.requires_block_selection else ()
         self.plan: ResidencyPlan = plan_residency(a.num_layers, cfg.ring_slots, layer_bytes,
-                                                  self.block_bytes, budget)
+                                                  self.block_bytes, budget, prefer)
         self.streamed = self.plan.streamed
         self._steps = 0  # ring positions continue across steps: streamed layer j of step k is at k * S + j
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
@@ -38,6 +40,7 @@ class LayerwiseRunner(OffloadRunner):
         self._chosen_version: dict[int, int] = {}      # layer -> selections made (a load's identity)
         self._chosen_pos: dict[int, torch.Tensor] = {}  # layer -> the same pages as positions in the sequence
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
+        self._graphs = (DecodeGraphs(self) if self.device.type == "cuda" and not cfg.enforce_eager else None)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks) when loaded by pages
         return oe
 
@@ -63,6 +66,10 @@ class LayerwiseRunner(OffloadRunner):
         h, residual, pos, (cos, sin) = self._inputs(seq, start, end)
         slots = torch.stack([pos // bs, pos % bs])
         context = None if is_prefill else torch.full((1,), end, dtype=torch.long, device=self.device)
+        graphs = None if is_prefill else self._graphs
+        if graphs is not None:       # decode: each layer's compute is one graph replay over static inputs
+            graphs.begin(h, residual, cos, sin)
+            h, residual = graphs.h, graphs.residual
         if is_prefill:
             self._chosen.clear()     # a new sequence: selections are made again from its own queries
         if self._quest is not None:  # the block table on the device, once per step (no host sync per layer)
@@ -86,19 +93,24 @@ class LayerwiseRunner(OffloadRunner):
                 K, V = oe.kv_views(buf)
                 if start > n_host * bs:              # decode: the partly filled block, kept on the device
                     oe.buffers[buf][at].copy_(oe.dbuf[l])
-                with rec.span(COMPUTE, "attention", l):
-                    where = slots if packed is None else torch.stack([slots[0] - n_host + at, slots[1]])
-                    q = self._qkv(model.layers[l], h, residual, cos, sin, K, V, where)
-                    q_last = q[-1].clone() if self._quest is not None else None
-                    if packed is not None and self._quest.measure_recall:
-                        self._measure_recall(l, q[0], n_host, end, buf, at)
-                    if is_prefill:
-                        o = self._prefill_attention(q, buf, end, l)
-                    else:
-                        ctx = context if packed is None else context - (n_host - at) * bs
-                        o = decode_attention(q, K, V, self.table[:, :at + 1], ctx, self.scale)
-                    del q  # long prompts: q and o are 1 GiB each at 128K; the MLP needs only o
-                self._finish_layer(model.layers[l], h, residual, o, l)
+                recall = packed is not None and self._quest.measure_recall
+                if graphs is not None and not recall:      # decode, one replay: q out, h and residual in place
+                    q = graphs.run(l, buf, packed is not None, at, start % bs, end - (n_host - at) * bs)
+                    q_last = q[0] if self._quest is not None else None
+                else:
+                    with rec.span(COMPUTE, "attention", l):
+                        where = slots if packed is None else torch.stack([slots[0] - n_host + at, slots[1]])
+                        q = self._qkv(model.layers[l], h, residual, cos, sin, K, V, where)
+                        q_last = q[-1].clone() if self._quest is not None else None
+                        if recall:
+                            self._measure_recall(l, q[0], n_host, end, buf, at)
+                        if is_prefill:
+                            o = self._prefill_attention(q, buf, end, l)
+                        else:
+                            ctx = context if packed is None else context - (n_host - at) * bs
+                            o = decode_attention(q, K, V, self.table[:, :at + 1], ctx, self.scale)
+                        del q  # long prompts: q and o are 1 GiB each at 128K; the MLP needs only o
+                    self._finish_layer(model.layers[l], h, residual, o, l)
                 self._after_layer(seq, l, buf, n_host, n_done, end, is_prefill, at)
                 if q_last is not None:
                     self._select(l, q_last, max(0, n_done - 1))

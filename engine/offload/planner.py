@@ -2,8 +2,9 @@
 
 Every layer needs a whole-sequence buffer while it computes. With a device KV budget, as many layers as fit
 (after the ring and the decode buffer) stay resident and are never loaded again; the rest stream through a
-ring of N slots. Resident layers are spread evenly over the depth, so the streamed ones between them get the
-resident layers' compute time to load in.
+ring of N slots. Layers the policy reads in full every step (Quest's dense layers) are resident first; the
+others are spread evenly over the depth, so the streamed ones between them get the resident layers' compute
+time to load in.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class ResidencyPlan:
 
 
 def plan_residency(num_layers: int, ring_slots: int, layer_bytes: int, dbuf_bytes: int,
-                   budget_bytes: int | None) -> ResidencyPlan:
+                   budget_bytes: int | None, prefer: tuple[int, ...] = ()) -> ResidencyPlan:
     ring_slots = min(ring_slots, num_layers)
     if budget_bytes is None:
         return ResidencyPlan(num_layers, ring_slots, (), layer_bytes, dbuf_bytes, None)
@@ -56,5 +57,8 @@ def plan_residency(num_layers: int, ring_slots: int, layer_bytes: int, dbuf_byte
             f"{layer_bytes / 2**30:.2f} GiB + decode buffer = {floor / 2**30:.2f} GiB): raise gpu_kv_budget_gb "
             "(--gpu-kv-budget), lower ring_slots (--ring-slots) or max_model_len (--max-model-len)")
     n = min(num_layers - ring_slots, (budget_bytes - floor) // layer_bytes)
-    resident = tuple(int((i + 0.5) * num_layers / n) for i in range(n)) if n > 0 else ()
+    first = tuple(sorted(prefer))[:n]
+    rest = [l for l in range(num_layers) if l not in first]
+    m = n - len(first)
+    resident = tuple(sorted(first + tuple(rest[int((i + 0.5) * len(rest) / m)] for i in range(m)))) if n > 0 else ()
     return ResidencyPlan(num_layers, ring_slots, resident, layer_bytes, dbuf_bytes, budget_bytes)

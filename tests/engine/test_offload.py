@@ -136,6 +136,12 @@ def test_planner_spreads_resident_layers():
     assert plan_residency(36, 3, 100, 10, None).resident == ()
 
 
+def test_planner_keeps_the_policys_dense_layers_resident_first():
+    p = plan_residency(36, 3, 100, 10, 3 * 100 + 10 + 4 * 100, prefer=(0, 1))
+    assert p.resident[:2] == (0, 1) and len(p.resident) == 4 and len(set(p.resident)) == 4
+    assert plan_residency(36, 3, 100, 10, 3 * 100 + 10 + 1 * 100, prefer=(0, 1)).resident == (0,)
+
+
 def test_block_runs_coalesce_consecutive_blocks():
     assert block_runs([(0, 7), (1, 8), (2, 9), (3, 3), (4, 4), (6, 5)]) == [(0, 7, 3), (3, 3, 2), (6, 5, 1)]
 

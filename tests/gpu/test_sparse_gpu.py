@@ -65,3 +65,20 @@ def test_quest_recall_on_gpu():
     st = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].stats.policy_stats
     print("quest recall", round(st["recall"], 3), "current-query", round(st["recall_current_query"], 3))
     assert 0 < st["recall_min_head"] <= st["recall"] <= 1 and len(st["recall_per_layer"]) == 34
+
+
+@pytest.mark.parametrize("policy,params", [("full", {}), ("quest", {"token_budget": 512, "page_size": 32})])
+def test_layerwise_decode_graphs_answer_like_eager(policy, params):
+    """Each decode layer replayed as a CUDA graph gives the tokens the eager layers give (fp32)."""
+    prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    outs = []
+    for eager in (True, False):
+        llm = LLM(shape="qwen3-4b", dtype="float32", max_model_len=4096, mode="layerwise", kv_block_size=256,
+                  policy=policy, policy_params=params, enforce_eager=eager)
+        outs.append(llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids)
+        graphs = llm.runner._graphs
+        assert (graphs is None) == eager and (eager or len(graphs.graphs) >= 36)
+        llm.runner.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
