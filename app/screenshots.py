@@ -1,8 +1,10 @@
 """Screenshots of the real app: `python -m app.screenshots OUTDIR` (`make screenshots` writes docs/screenshots/).
 
 Runs the main window on the real engine and the default model (offscreen or under Xvfb), opens the bundled sample
-document, asks the sample question once in gpu mode and once in layerwise mode, and saves the whole window after
-each answer as OUTDIR/window-gpu.png and OUTDIR/window-layerwise.png. The user's settings are not touched.
+document, asks the sample question in gpu mode, in layerwise mode, with Quest (layerwise, its dock in front) and
+with MInference (gpu mode, dense below 1024 tokens so the ~5K-token sample runs sparse, the Masks dock in front),
+and saves the whole window after each answer as OUTDIR/window-{gpu,layerwise,quest,minference}.png. The user's
+settings are not touched.
 """
 from __future__ import annotations
 
@@ -87,11 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             wait_until(app, lambda: window.model_info and window.document_info and not window.is_busy(),
                        args.timeout, "the model and the document")
-            for mode in ("gpu", "layerwise"):
-                panel = window.policy_panel
-                panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(mode))
+            shots = [("gpu", {"mode": "gpu", "policy": "full"}, None),
+                     ("layerwise", {"mode": "layerwise", "policy": "full"}, None),
+                     ("quest", {"mode": "layerwise", "policy": "quest",
+                                "policy_params": {"token_budget": 1024, "page_size": 16}}, "quest"),
+                     ("minference", {"mode": "gpu", "policy": "minference",
+                                     "policy_params": {"min_len": 1024, "vertical": 256, "slash": 512}}, "masks")]
+            for name, config, dock in shots:
+                window.policy_panel.set_config(config)
+                if dock is not None:
+                    window.docks[dock].raise_()
                 stats = ask_and_wait(app, window, SAMPLE_QUESTION, args.timeout)
-                path = args.outdir / f"window-{mode}.png"
+                mode = f"{config['mode']} + {config['policy']}"
+                path = args.outdir / f"window-{name}.png"
                 if not window.grab().save(str(path), "PNG"):
                     raise OSError(f"could not write {path}")
                 print(f"{path}: {mode}, prompt {stats.get('prompt_tokens')} tok, TTFT {stats.get('ttft_s', 0):.2f} s, "

@@ -22,11 +22,11 @@ MODES = {
 OFFLOAD_MODES = ("layerwise", "chunked")
 POLICIES = {   # key: (shown name, modes it works in, what it does, why it is unavailable elsewhere)
     "full": ("Full", ("gpu", "layerwise", "chunked"), "Dense attention over every token: the exact baseline.", ""),
-    "quest": ("Quest", ("layerwise",),
+    "quest": ("Quest", ("layerwise", "chunked"),
               "Decode policy: per step, loads only the KV pages whose key bounds promise the highest attention "
               "scores for the current query (less host-to-GPU traffic).",
-              "Quest chooses which host KV pages to load at each decode step of layerwise mode. In gpu mode all "
-              "KV is already on the GPU; chunked mode does not select pages yet: choose layerwise."),
+              "Quest chooses which host KV pages to load at each decode step of an offload mode. In gpu mode all "
+              "KV is already on the GPU: choose layerwise or chunked."),
     "minference": ("MInference", ("gpu", "layerwise"),
                    "Prefill policy: attends to a few vertical lines (key columns) and slash lines (diagonals) "
                    "estimated from the last queries, skipping the rest of the attention matrix.",

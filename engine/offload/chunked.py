@@ -8,6 +8,10 @@ the whole chunk, so the next layer's first blocks load while this layer computes
 
 Activation memory is bounded by one block, but every chunk re-reads all earlier blocks of every layer:
 prefill moves L * block_bytes * C(C-1)/2 bytes host -> device for C chunks. Decode is the one-token chunk.
+
+With Quest, a decode step streams, for each sparse layer, the pages its previous step's query chose, packed per
+kv head into one-block slots by the page gather, plus the newest full block whole (layerwise mode's scheme:
+the loads are issued before the layer's query exists).
 """
 from __future__ import annotations
 
@@ -43,12 +47,18 @@ class ChunkedRunner(OffloadRunner):
         oe, bs, rec, model = self.oe, self.block_size, self.recorder, self.model
         cb, off = a // bs, a % bs
         earlier = seq.block_table[:cb]
-        loads = [(l, blk) for l in range(len(model.layers)) for blk in earlier]
+        if is_prefill and a == seq.num_cached_tokens:
+            self._chosen.clear()                        # a new sequence: selections come from its own queries
+        self._table_to_device(seq.block_table)
+        loads, at = [], []                              # at[l]: index of layer l's first load
+        for l in range(len(model.layers)):
+            at.append(len(loads))
+            loads += self._layer_loads(l, earlier, is_prefill)
+        at.append(len(loads))
         N = oe.ring_slots
         first = self._pos
         for i in range(min(N, len(loads))):
-            layer, blk = loads[i]
-            oe.load((first + i) % N, layer, [blk])
+            self._issue((first + i) % N, loads[i])
         h, residual, pos, (cos, sin) = self._inputs(seq, a, b)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
@@ -60,13 +70,15 @@ class ChunkedRunner(OffloadRunner):
                     own[0, :, off:off + b - a] = k.transpose(0, 1)
                     own[1, :, off:off + b - a] = v.transpose(0, 1)
                     o, lse = attention_lse(q, own[0, :, :b - cb * bs], own[1, :, :b - cb * bs], self.scale, causal=True)
-                    for i in range(len(earlier)):
-                        o, lse = self._earlier_block(seq, q, o, lse, loads, first, l * len(earlier) + i)
+                    for i in range(at[l], at[l + 1]):
+                        o, lse = self._earlier_block(seq, q, o, lse, loads, first, i)
                 self._finish_layer(layer, h, residual, lse_output(o, q.dtype), l)
                 if b % bs == 0:
                     oe.offload_dbuf(l, seq.block_table[cb])
                     hook = self.policy.on_prefill_offload if is_prefill else self.policy.on_decode_offload
                     hook(seq.block_table[cb], l, own[0], bs)
+                if self._quest is not None and not is_prefill:
+                    self._select(l, q[-1], max(0, b // bs - 1))
             if model.task is not None:
                 done, total = self._progress
                 self._progress = (done + 1, total)
@@ -74,10 +86,29 @@ class ChunkedRunner(OffloadRunner):
         self._pos = first + len(loads)
         return self._logits(h, residual)
 
+    def _layer_loads(self, layer: int, earlier: list[int], is_prefill: bool) -> list[tuple]:
+        """What layer `layer` streams: each earlier block, or (Quest) its chosen pages in one-block packs and the
+        newest block."""
+        quest = self._quest
+        chosen = None if quest is None or is_prefill else self._chosen.get(layer)
+        if chosen is None or not quest.applies(layer, len(earlier)):
+            return [(layer, blk) for blk in earlier]
+        ppb = quest.pages_per_block
+        packs = [(layer, chosen[:, j:j + ppb]) for j in range(0, chosen.shape[1], ppb)]
+        return packs + [(layer, earlier[-1])]
+
+    def _issue(self, slot: int, item: tuple) -> None:
+        layer, what = item
+        if isinstance(what, int):
+            self.oe.load(slot, layer, [what])
+        else:
+            self.oe.load_pages(slot, layer, what, self._quest.page_size)
+
     def _earlier_block(self, seq, q, o, lse, loads, first: int, i: int):
-        """Attend to the i-th load of this chunk (one earlier block), then hand its slot to load i + N."""
+        """Attend to the i-th load of this chunk (an earlier block or a pack of pages), then hand its slot to
+        load i + N."""
         oe, N, rec = self.oe, self.oe.ring_slots, self.recorder
-        layer, blk = loads[i]
+        layer = loads[i][0]
         slot = (first + i) % N
         for ev in oe.ready(slot):
             wait_on(ev, self.device, rec, layer, slot)
@@ -88,6 +119,5 @@ class ChunkedRunner(OffloadRunner):
         o, lse = merge_lse(o, lse, part, part_lse)
         oe.release(slot, layer, self.block_size)
         if i + N < len(loads):
-            nl, nb = loads[i + N]
-            oe.load(slot, nl, [nb])
+            self._issue(slot, loads[i + N])
         return o, lse

@@ -36,22 +36,10 @@ class LayerwiseRunner(OffloadRunner):
         self.streamed = self.plan.streamed
         self._steps = 0  # ring positions continue across steps: streamed layer j of step k is at k * S + j
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
-        self._chosen: dict[int, torch.Tensor] = {}     # layer -> pages [Hkv, k] for its next load
-        self._chosen_version: dict[int, int] = {}      # layer -> selections made (a load's identity)
-        self._chosen_pos: dict[int, torch.Tensor] = {}  # layer -> the same pages as positions in the sequence
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
         self._graphs = (DecodeGraphs(self) if self.device.type == "cuda" and not cfg.enforce_eager else None)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks) when loaded by pages
         return oe
-
-    @property
-    def _quest(self):
-        return self.policy if self.policy.requires_block_selection else None
-
-    def set_policy(self, policy) -> None:
-        super().set_policy(policy)
-        if hasattr(self, "_chosen"):
-            self._chosen.clear()     # selections belong to the policy that made them
 
     def _buffer(self, layer: int) -> int:
         j = self.streamed.index(layer) if layer not in self.oe.resident else 0
@@ -72,9 +60,7 @@ class LayerwiseRunner(OffloadRunner):
             h, residual = graphs.h, graphs.residual
         if is_prefill:
             self._chosen.clear()     # a new sequence: selections are made again from its own queries
-        if self._quest is not None:  # the block table on the device, once per step (no host sync per layer)
-            pin = self.device.type == "cuda"
-            self._table_dev = torch.tensor(table, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        self._table_to_device(table)
         S, N = len(self.streamed), oe.ring_slots
         for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
             self._load(oe.resident[layer], layer, table[:n_host], is_prefill)
@@ -171,26 +157,6 @@ class LayerwiseRunner(OffloadRunner):
         newest = quest.page_ids(self._table_dev[len(blocks) - 1:len(blocks)])[None].expand(chosen.shape[0], -1)
         self.oe.load_pages(buf, layer, torch.cat([chosen, newest], dim=1), quest.page_size)
         self._packed[buf] = key
-
-    def _select(self, layer: int, q: torch.Tensor, n_blocks: int) -> None:
-        """With this step's query of `layer`, choose its pages for the next step (the newest block is added at
-        load time). Loads run N layers ahead, before that layer's next query exists: this is the fix."""
-        quest = self._quest
-        if not quest.applies(layer, n_blocks + 1):
-            self._chosen.pop(layer, None)
-            return
-        k = quest.budget_pages - quest.pages_per_block
-        blocks = self._table_dev[:n_blocks]
-        positions, scores = quest.select(layer, q, blocks, k)
-        quest.selections += 1
-        pages = quest.page_ids(blocks)[positions]
-        self._chosen[layer] = pages
-        self._chosen_pos[layer] = positions
-        self._chosen_version[layer] = self._chosen_version.get(layer, 0) + 1
-        rec = self.recorder
-        if rec.enabled:
-            for h in range(pages.shape[0]):
-                rec.quest_pick(layer, h, pages[h], scores[h], n_blocks * quest.pages_per_block)
 
     def _measure_recall(self, l: int, q: torch.Tensor, n_host: int, end: int, buf: int, at: int) -> None:
         """Debug: the true attention mass on what this step loaded (chosen pages, newest full block, partial

@@ -76,6 +76,39 @@ class OffloadRunner:
                                    self.dtype, self.num_blocks))
         policy.recorder = self._recorder
         self.policy = policy
+        self._chosen: dict[int, torch.Tensor] = {}      # Quest: layer -> pages [Hkv, k] for its next load
+        self._chosen_version: dict[int, int] = {}       # layer -> selections made (a load's identity)
+        self._chosen_pos: dict[int, torch.Tensor] = {}  # layer -> the same pages as positions in the sequence
+
+    @property
+    def _quest(self):
+        return self.policy if self.policy.requires_block_selection else None
+
+    def _table_to_device(self, table: list[int]) -> None:
+        """Quest: the block table on the device, once per step (no host sync per layer)."""
+        if self._quest is not None:
+            pin = self.device.type == "cuda"
+            self._table_dev = torch.tensor(table, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+
+    def _select(self, layer: int, q: torch.Tensor, n_blocks: int) -> None:
+        """With this step's query of `layer`, choose its pages for the next step (the newest block is added at
+        load time). Loads run N layers ahead, before that layer's next query exists: this is the fix."""
+        quest = self._quest
+        if not quest.applies(layer, n_blocks + 1):
+            self._chosen.pop(layer, None)
+            return
+        k = quest.budget_pages - quest.pages_per_block
+        blocks = self._table_dev[:n_blocks]
+        positions, scores = quest.select(layer, q, blocks, k)
+        quest.selections += 1
+        pages = quest.page_ids(blocks)[positions]
+        self._chosen[layer] = pages
+        self._chosen_pos[layer] = positions
+        self._chosen_version[layer] = self._chosen_version.get(layer, 0) + 1
+        rec = self.recorder
+        if rec.enabled:
+            for h in range(pages.shape[0]):
+                rec.quest_pick(layer, h, pages[h], scores[h], n_blocks * quest.pages_per_block)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         if len(seqs) != 1:

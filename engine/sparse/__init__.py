@@ -9,7 +9,7 @@ from engine.sparse.xattention import XAttentionPolicy
 
 POLICY_CLASSES = {"full": FullPolicy, "quest": QuestPolicy, "minference": MInferencePolicy,
                   "xattention": XAttentionPolicy}
-POLICY_MODES = {"full": ("gpu", "layerwise", "chunked"), "quest": ("layerwise",),
+POLICY_MODES = {"full": ("gpu", "layerwise", "chunked"), "quest": ("layerwise", "chunked"),
                 "minference": ("gpu", "layerwise"), "xattention": ("gpu", "layerwise")}
 _WHY = {"quest": "it picks which host KV pages to load at each decode step",
         "minference": "it needs a layer's whole prompt at once to estimate its pattern",
@@ -23,7 +23,7 @@ def make_policy(name: str, params: dict | None, mode: str) -> SparsePolicy:
     if mode not in POLICY_MODES[name]:
         modes = " or ".join(POLICY_MODES[name])
         raise ConfigError(f"the {name} policy runs in {modes} mode, not {mode}: {_WHY[name]} "
-                          f"(choose --mode {POLICY_MODES[name][-1]})")
+                          f"(choose --mode {' or --mode '.join(POLICY_MODES[name])})")
     try:
         return POLICY_CLASSES[name](**(params or {}))
     except (TypeError, ValueError) as e:

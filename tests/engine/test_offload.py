@@ -205,3 +205,29 @@ def test_stop_mid_prefill_within_a_layer_and_nothing_poisoned(engines, prompts, 
     assert again.stats.cached_tokens == 0                                  # the stopped prefill left no cache entries
     clean = _engine(engines["gpu"].model_dir, "gpu").generate([ids], GREEDY)[0]
     assert again.token_ids == clean.token_ids
+
+
+def test_quest_in_chunked_mode_streams_its_pages_and_answers_like_full_with_room(tmp_path):
+    """Chunked decode with Quest: the budget bounds the bytes streamed per step; a budget holding everything
+    answers exactly like Full."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run(policy, params):
+        llm = LLM(str(tmp_path), device="cpu", kv_block_size=32, mode="chunked", max_model_len=400, policy=policy,
+                  policy_params=params)
+        rec = TraceRecorder()
+        llm.recorder = rec
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        decodes = [s for s in rec.steps if s.phase == "decode"][1:]
+        return out, [s.metrics.get("bytes_h2d", 0) for s in decodes], rec
+
+    full, full_bytes, _ = run("full", {})
+    roomy, _, _ = run("quest", {"token_budget": 512, "page_size": 16, "dense_layers": 0})
+    assert roomy.token_ids == full.token_ids
+    tight, tight_bytes, rec = run("quest", {"token_budget": 64, "page_size": 16, "dense_layers": 0})
+    per_block = 2 * 2 * 32 * 32 * 4                 # K and V, 2 kv heads, 32 tokens, head_dim 32, fp32
+    assert max(tight_bytes) <= 2 * 2 * per_block     # per layer: one pack of chosen pages + the newest block
+    assert min(full_bytes) >= 2 * 9 * per_block      # full streams all 9 earlier blocks of both layers
+    assert tight.stats.policy_stats["selections"] > 0 and any(s.quest for s in rec.steps)
