@@ -82,3 +82,21 @@ def test_layerwise_decode_graphs_answer_like_eager(policy, params):
         del llm
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+def test_quest_in_chunked_mode_on_gpu():
+    """The page gather into one-block slots on a real device: a roomy budget answers like Full, a tight one
+    moves less."""
+    prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = {}
+    for name, params in [("full", {}), ("quest", {"token_budget": 8192, "page_size": 32, "dense_layers": 0}),
+                         ("tight", {"token_budget": 512, "page_size": 32})]:
+        llm = LLM(shape="qwen3-4b", dtype="float32", max_model_len=4096, mode="chunked", kv_block_size=256,
+                  policy="full" if name == "full" else "quest", policy_params=params)
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        got[name] = (out.token_ids, out.stats.bytes_h2d)
+        llm.runner.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert got["quest"][0] == got["full"][0]
+    assert got["tight"][1] < got["full"][1]
