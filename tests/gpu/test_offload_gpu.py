@@ -60,7 +60,9 @@ def test_layerwise_copies_overlap_compute_on_cuda():
     steady = decodes[2:]
     for step in steady:
         loads = step.lane_spans(H2D)
-        assert sum(s.bytes for s in loads) == L * (12000 // BS) * block
+        assert step.metrics["bytes_h2d"] == L * (12000 // BS) * block          # what the engine issued
+        # the trace: a cross-step prefetch can land in the neighbouring step (seen once with decode graphs)
+        assert abs(sum(s.bytes for s in loads) - L * (12000 // BS) * block) <= (12000 // BS) * block
         computes = {s.layer: s for s in step.lane_spans(COMPUTE) if s.name.startswith("layer ")}
         assert len(computes) == L
         for s in loads:
