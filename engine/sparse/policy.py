@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import ConfigError
 from engine.ops.attention import causal_attention
 from engine.ops.sparse_prefill import causal_pairs
 from engine.trace.recorder import NULL_RECORDER, Recorder
@@ -69,7 +70,10 @@ class SparsePolicy(ABC):
         return q
 
     def select_blocks(self, blocks: list[int], ctx: PolicyContext) -> list[int]:
-        return blocks
+        """The host blocks to load for ctx.layer at decode. Only policies with requires_block_selection choose;
+        callers check that flag first, and asking any other policy is an error that says so."""
+        raise ConfigError(f"the {self.name} policy does not select KV blocks (requires_block_selection is False): "
+                          "load every block instead")
 
     def on_prefill_offload(self, block_id: int, layer_id: int, keys: torch.Tensor, valid_tokens: int) -> None:
         pass
@@ -128,3 +132,6 @@ class SparsePrefillPolicy(SparsePolicy):
 class FullPolicy(SparsePolicy):
     """Attends to everything; loads everything."""
     name = "full"
+
+    def select_blocks(self, blocks: list[int], ctx: PolicyContext) -> list[int]:
+        return list(blocks)

@@ -93,6 +93,15 @@ class QuestPolicy(SparsePolicy):
         top = forced.topk(k, dim=-1).indices.sort(dim=-1).values
         return top, s.gather(1, top)
 
+    def select_blocks(self, blocks: list[int], ctx) -> list[int]:
+        """Block granularity (the interface of DESIGN.md §2.3): the host blocks holding any page that any kv head
+        chose for ctx.query [1, Hq, D]. The offload modes use `select` and load the pages themselves."""
+        if ctx.query is None or not self.applies(ctx.layer, len(blocks)):
+            return list(blocks)
+        positions, _ = self.select(ctx.layer, ctx.query[0], blocks)
+        keep = torch.unique(positions // self.pages_per_block).tolist()
+        return [blocks[i] for i in keep]
+
     # ---------------------------------------------------------------- figures
     def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:
         """The share of the true attention mass on the tokens that were loaded, per query head.

@@ -153,3 +153,17 @@ def test_recall_measured_in_the_engine(tmp_path):
     assert 0 < tight["recall_min_head"] <= tight["recall"] < 1
     assert 0 < tight["recall_current_query"] < 1
     assert "recall" not in stats(512)                               # the budget holds everything: never sparse
+
+
+def test_select_blocks_per_policy():
+    from engine.sparse import MInferencePolicy
+    from engine.sparse.policy import FullPolicy, PolicyContext
+    p = _policy(budget=64, dense_layers=0)                        # 6 blocks of 32, pages of 16: 4 pages kept
+    keys = torch.randn(6, 2, 32, 8)
+    for b in range(6):
+        p.on_prefill_offload(b, 1, keys[b], 32)
+    chosen = p.select_blocks(list(range(6)), PolicyContext(layer=1, query=torch.randn(1, 4, 8)))
+    assert chosen[0] == 0 and chosen[-1] == 5 and 2 <= len(chosen) <= 6 and chosen == sorted(chosen)
+    assert FullPolicy().select_blocks([3, 4], PolicyContext(layer=0)) == [3, 4]
+    with pytest.raises(ConfigError, match="does not select KV blocks"):
+        MInferencePolicy().select_blocks([3, 4], PolicyContext(layer=0))
