@@ -108,7 +108,8 @@ class OffloadRunner:
         rec = self.recorder
         if rec.enabled:
             for h in range(pages.shape[0]):
-                rec.quest_pick(layer, h, pages[h], scores[h], n_blocks * quest.pages_per_block)
+                rec.quest_pick(layer, h, pages[h], scores[h], n_blocks * quest.pages_per_block, positions[h],
+                               quest.page_size)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         if len(seqs) != 1:

@@ -62,13 +62,18 @@ class SlotState:
 
 @dataclass(slots=True)
 class QuestPick:
-    """The KV blocks Quest chose for one (layer, kv head) in a step, with their upper-bound scores."""
+    """The KV pages Quest chose for one (layer, kv head) in a step, with their upper-bound scores.
+
+    `blocks` are global page ids (host block * pages per block + i); `positions` the same pages as indices into
+    the sequence's pages (page j holds tokens j * page_size ...), `page_size` tokens each."""
     step: int
     layer: int
     kv_head: int
     blocks: np.ndarray
     scores: np.ndarray
-    n_blocks: int           # blocks there were to choose from
+    n_blocks: int           # pages there were to choose from
+    positions: np.ndarray | None = None
+    page_size: int = 0
 
 
 @dataclass(slots=True)

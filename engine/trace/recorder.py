@@ -76,7 +76,8 @@ class Recorder:
                    stream=None, event=None) -> None:
         pass
 
-    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int) -> None:
+    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int, positions=None,
+                   page_size: int = 0) -> None:
         pass
 
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
@@ -239,11 +240,14 @@ class TraceRecorder(Recorder):
         with self._lock:
             self._pending_slots.append((event, pooled, slot, layer, state, int(tokens), int(capacity)))
 
-    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int) -> None:
+    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int, positions=None,
+                   page_size: int = 0) -> None:
         """Arrays may be numpy or torch (CUDA tensors are copied asynchronously, read after end_step's sync)."""
+        c = self._cuda
         with self._lock:
-            self._quest.append(QuestPick(self._step_no, layer, kv_head, _grab(blocks, self._cuda), _grab(scores, self._cuda),
-                                          int(n_blocks)))
+            self._quest.append(QuestPick(self._step_no, layer, kv_head, _grab(blocks, c), _grab(scores, c),
+                                          int(n_blocks), None if positions is None else _grab(positions, c),
+                                          int(page_size)))
 
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
         c = self._cuda
@@ -298,6 +302,7 @@ class TraceRecorder(Recorder):
         slots.sort(key=lambda s: s.t_us)
         for q in quest:
             q.blocks, q.scores = _to_numpy(q.blocks), _to_numpy(q.scores)
+            q.positions = None if q.positions is None else _to_numpy(q.positions)
         for m in masks:
             m.vertical, m.slash = _to_numpy(m.vertical), _to_numpy(m.slash)
             m.image = None if m.image is None else _to_numpy(m.image)
