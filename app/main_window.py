@@ -26,6 +26,7 @@ from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox
 
 from app.bundle import bundle_folder, write_bundle
 from app.cli import SAMPLE
+from app.quest_highlight import QuestHighlight
 from app.status import StatusBar
 from app.worker import EngineWorker
 from widgets.chat_view import ChatView
@@ -56,6 +57,7 @@ def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
 class MainWindow(QMainWindow):
     """The app window. Public for tests and tools: `chat`, `document_panel`, `policy_panel`, `timeline`, `ring`,
     `quest`, `masks`, `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`,
+    `quest_highlight` (what Quest reads, tinted in the document) and its View menu toggle `highlight_action`,
     `model_info` (the latest model_ready dict), `is_busy()`, `send(question)`, `stop()`, `export_bundle(folder)`,
     `shutdown()`."""
 
@@ -104,6 +106,7 @@ class MainWindow(QMainWindow):
         self.ring = RingView()
         self.quest = QuestView()
         self.masks = MaskView()
+        self.quest_highlight = QuestHighlight(self.document_panel)   # the document spans Quest reads
         views = {"document": self.document_panel, "policy": self.policy_panel, "metrics": self.metrics,
                  "timeline": self.timeline, "ring": self.ring, "quest": self.quest, "masks": self.masks}
         self.docks: dict[str, QDockWidget] = {}
@@ -154,6 +157,9 @@ class MainWindow(QMainWindow):
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
+        self.highlight_action = QAction("&Highlight what Quest reads", self, checkable=True, checked=True,
+                                        toggled=self.quest_highlight.set_enabled)
+        view_menu.addAction(self.highlight_action)
         action(view_menu, "&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         action(help_menu, "&About kvscope", self._about)
@@ -179,6 +185,7 @@ class MainWindow(QMainWindow):
         w.answer_text.connect(self._on_answer_text)
         w.answer_done.connect(self._on_answer_done)
         w.error.connect(self._on_error)
+        w.token_map.connect(self._on_token_map)
         w.busy.connect(self._on_busy)
         self.thread.start()
 
@@ -313,6 +320,7 @@ class MainWindow(QMainWindow):
     def _on_document_ready(self, info: dict) -> None:
         self.document_info = dict(info)
         self.document_panel.set_document(info["name"], info["text"], info["tokens"])
+        self.quest_highlight.clear()
         self._show_context(info["tokens"])
         self.settings.setValue("document", info["path"])
         self.setWindowTitle(f"{info['name']} — kvscope")
@@ -320,6 +328,10 @@ class MainWindow(QMainWindow):
     def _show_context(self, used: int) -> None:
         if self.document_info.get("limit"):
             self.document_panel.set_context(used, self.document_info["limit"], self.model_info.get("mode", ""))
+
+    @Slot(object)
+    def _on_token_map(self, info) -> None:
+        self.quest_highlight.new_turn(info)      # a new question: highlight its Quest picks (clear without)
 
     @Slot(float, str)
     def _on_prefill_progress(self, fraction: float, message: str) -> None:
@@ -372,6 +384,7 @@ class MainWindow(QMainWindow):
         self.ring.append_steps(steps)
         self.quest.append_steps(steps)
         self.masks.append_steps(steps)
+        self.quest_highlight.feed(steps)
         self.metrics.update_from_steps(self._recent)
         offload = self.model_info.get("mode", "gpu") != "gpu"
         for step in reversed(steps):

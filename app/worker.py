@@ -17,6 +17,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from app.documents import Document, load_document
 from app.prompt import document_messages
+from app.quest_highlight import token_char_map
 from engine.errors import KVScopeError
 
 
@@ -31,6 +32,7 @@ class EngineWorker(QObject):
     prefill_progress = Signal(float, str)
     answer_text = Signal(str)             # a piece of the answer
     answer_done = Signal(dict)            # GenerationStats as a dict
+    token_map = Signal(object)            # a question's prompt tokens -> document characters (Quest), or None
     error = Signal(str)                   # a readable message (never a traceback)
     busy = Signal(bool)
 
@@ -43,6 +45,7 @@ class EngineWorker(QObject):
         self.telemetry: deque = deque(maxlen=max_steps)   # StepTraces, drained by the GUI
         self.turn_steps: list = []                         # the last turn's StepTraces (export)
         self._cancel = threading.Event()
+        self._map_cache: tuple = (None, None, "")          # (prompt key, token map, why none)
 
     # ---------------------------------------------------------------- called from the GUI thread
     def stop(self) -> None:
@@ -92,7 +95,7 @@ class EngineWorker(QObject):
         llm = LLM(progress=self.model_progress.emit, **config)
         llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append)
         self.llm, self.engine_config = llm, dict(config)
-        self.history = []
+        self.history, self._map_cache = [], (None, None, "")
         self._ready()
         if self.document is not None:
             self._announce(self.document)
@@ -153,6 +156,7 @@ class EngineWorker(QObject):
         answer, stats = [], None
         rec = llm.recorder
         first_step = rec.steps[-1].step + 1 if rec.steps else 0
+        self.token_map.emit(self._token_map(llm, messages, doc.text, first_step))
         try:
             params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
             for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self.prefill_progress.emit):
@@ -174,3 +178,18 @@ class EngineWorker(QObject):
             d = stats.to_dict()
             d["t_done"] = time.time()
             self.answer_done.emit(d)
+
+    def _token_map(self, llm, messages: list[dict], text: str, first_step: int) -> dict | None:
+        """For the highlight of what Quest reads: each prompt token's document characters (app/quest_highlight.py),
+        with the turn's first step number. None when the policy does not select pages (nothing to highlight);
+        map None (and why) when the prompt cannot be mapped. Cached for a prompt asked again."""
+        if not getattr(getattr(llm.runner, "policy", None), "requires_block_selection", False):
+            return None
+        key = (id(llm), repr(messages))
+        if self._map_cache[0] != key:
+            try:
+                token_map, why = token_char_map(llm.tokenizer, messages, llm.chat_prompt_ids(messages), text)
+            except Exception as e:  # noqa: BLE001 - no highlight this turn; the answer itself reports its errors
+                token_map, why = None, f"{type(e).__name__}: {e}"
+            self._map_cache = (key, token_map, why)
+        return {"map": self._map_cache[1], "reason": self._map_cache[2], "text": text, "first_step": first_step}

@@ -16,6 +16,8 @@ SUPPORTED_SUFFIXES = (".txt", ".md", ".pdf", ".html", ".htm")
 SUPPORTED_TEXT = "a .txt, .md, .pdf or .html file"
 KV_LOCATIONS = {"gpu": "GPU", "layerwise": "host (layerwise)", "chunked": "host (chunked)"}
 NO_DOCUMENT = "No document: open one or drop a file here"
+HIGHLIGHT_TINT = 0.45      # share of the highlight colour in the strongest tint
+HIGHLIGHT_LEVELS = 8       # weighted tints are rounded to this many steps
 
 
 def blend(a: QColor, b: QColor, t: float) -> QColor:
@@ -89,6 +91,7 @@ class DocumentPanel(QWidget):
         self.name_label.setText(name)
         self.name_label.setToolTip(name)
         self.tokens_label.setText(f"{tokens:,} tokens")
+        self.preview.setExtraSelections([])
         self.preview.setPlainText(text)
         self.preview.moveCursor(QTextCursor.MoveOperation.Start)
         self.message_label.hide()
@@ -133,15 +136,28 @@ class DocumentPanel(QWidget):
         return self.meter.text()
 
     # ------------------------------------------------------------------ highlight
-    def highlight_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        """Tint the character ranges [start, end) in the preview (e.g. what Quest reads); [] clears."""
+    def highlight_ranges(self, ranges: list[tuple[int, int]], weights: list[float] | None = None,
+                         scroll: bool = True) -> None:
+        """Tint the character ranges [start, end) in the preview (e.g. what Quest reads); [] clears.
+
+        `weights` (0..1, one per range) vary the tint from faint to strong; without them every range gets the
+        strong tint. `scroll` brings the first range (with weights: the first of the strongest) into view."""
         palette = self.preview.palette()
-        fmt = QTextCharFormat()
-        fmt.setBackground(blend(palette.color(QPalette.ColorRole.Base),
-                                palette.color(QPalette.ColorRole.Highlight), 0.45))
+        base, accent = palette.color(QPalette.ColorRole.Base), palette.color(QPalette.ColorRole.Highlight)
+        formats: dict[int, QTextCharFormat] = {}
+
+        def tint(weight: float) -> QTextCharFormat:
+            level = round(HIGHLIGHT_LEVELS * min(1.0, max(0.0, float(weight))))
+            if level not in formats:
+                formats[level] = QTextCharFormat()
+                share = HIGHLIGHT_TINT * (0.15 + 0.85 * level / HIGHLIGHT_LEVELS)
+                formats[level].setBackground(blend(base, accent, share))
+            return formats[level]
+
         doc_len = self.preview.document().characterCount() - 1
-        selections = []
-        for start, end in ranges:
+        weights = [1.0] * len(ranges) if weights is None else list(weights)
+        selections, target, best = [], None, -1.0
+        for (start, end), weight in zip(ranges, weights):
             start, end = max(0, int(start)), min(doc_len, int(end))
             if end <= start:
                 continue
@@ -149,12 +165,14 @@ class DocumentPanel(QWidget):
             sel.cursor = QTextCursor(self.preview.document())
             sel.cursor.setPosition(start)
             sel.cursor.setPosition(end, QTextCursor.MoveMode.KeepAnchor)
-            sel.format = fmt
+            sel.format = tint(weight)
             selections.append(sel)
+            if weight > best:
+                target, best = start, weight
         self.preview.setExtraSelections(selections)
-        if selections:   # bring the first range into view without selecting it
+        if scroll and target is not None:   # bring the range into view without selecting it
             cursor = QTextCursor(self.preview.document())
-            cursor.setPosition(selections[0].cursor.selectionStart())
+            cursor.setPosition(target)
             self.preview.setTextCursor(cursor)
             self.preview.ensureCursorVisible()
 

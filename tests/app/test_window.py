@@ -167,12 +167,7 @@ def test_quest_view_shows_the_pages_quest_picked(window, qtbot, tmp_path, doc):
                     timeout=30_000)
     assert window.document_panel.token_count() > 400
     panel = window.policy_panel
-    panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
-    panel.block_size.setCurrentIndex(panel.block_size.findData(64))
-    panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("quest"))
-    params = panel._params["quest"]
-    params["token_budget"].setValue(256)
-    params["page_size"].setCurrentIndex(params["page_size"].findData(16))
+    _choose_small_quest(panel)
     window.docks["quest"].raise_()
     try:
         ask(qtbot, window, QUESTION)
@@ -187,6 +182,56 @@ def test_quest_view_shows_the_pages_quest_picked(window, qtbot, tmp_path, doc):
         window.open_document(str(doc))
         qtbot.waitUntil(lambda: window.document_panel.document_name() == doc.name and not window.is_busy(),
                         timeout=30_000)
+
+
+def _choose_small_quest(panel) -> None:
+    """Layerwise, 64-token blocks, Quest with a 256-token budget of 16-token pages: sparse on ~1500 tokens."""
+    panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
+    panel.block_size.setCurrentIndex(panel.block_size.findData(64))
+    panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("quest"))
+    params = panel._params["quest"]
+    params["token_budget"].setValue(256)
+    params["page_size"].setCurrentIndex(params["page_size"].findData(16))
+
+
+def test_the_document_preview_highlights_what_quest_reads(window, qtbot, tmp_path, doc, default_model_dir):
+    wait_ready(qtbot, window, default_model_dir)
+    long_doc = tmp_path / "planning-1500.md"                # ~1500 tokens: sparse under a 256-token budget
+    long_doc.write_text(DOC_TEXT + "\n" + WORDS * 16)
+    window.open_document(str(long_doc))
+    qtbot.waitUntil(lambda: window.document_panel.document_name() == long_doc.name and not window.is_busy(),
+                    timeout=30_000)
+    panel, preview, text = window.policy_panel, window.document_panel.preview, long_doc.read_text()
+    assert window.document_panel.token_count() > 1400
+    _choose_small_quest(panel)
+    assert window.highlight_action.isChecked() and window.highlight_action.text().replace("&", "") in [
+        a.text().replace("&", "") for a in window.menuBar().actions()[1].menu().actions()]
+    try:
+        ask(qtbot, window, QUESTION)
+        assert window.worker.engine_config["policy"] == "quest"
+        qtbot.waitUntil(lambda: window.quest_highlight.current_step() is window.quest.current_step()
+                        and bool(preview.extraSelections()), timeout=5000)
+        shown = window.document_panel.highlighted_ranges()
+        flat = [x for r in shown for x in r]
+        assert flat == sorted(flat) and 0 <= flat[0] and flat[-1] <= len(text) and all(s < e for s, e in shown)
+        assert shown == window.quest_highlight.ranges()[0]               # the newest step's picked pages
+        step = window.quest.current_step()
+        assert all(len(p.positions) < p.n_blocks for p in step.quest)
+        assert len({s.format.background().color().name() for s in preview.extraSelections()}) > 1  # by share
+        window.highlight_action.trigger()                                # View → Highlight what Quest reads: off
+        assert preview.extraSelections() == []
+        window.highlight_action.trigger()
+        assert window.document_panel.highlighted_ranges() == shown
+        panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("full"))
+        ask(qtbot, window, QUESTION)                                     # a Full turn: nothing highlighted
+        qtbot.wait(100)
+        assert preview.extraSelections() == [] and window.quest_highlight.current_step() is None
+    finally:
+        panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("full"))
+        window.open_document(str(doc))
+        qtbot.waitUntil(lambda: window.document_panel.document_name() == doc.name and not window.is_busy(),
+                        timeout=30_000)
+    assert preview.extraSelections() == []
 
 
 def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):

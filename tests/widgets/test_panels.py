@@ -167,7 +167,15 @@ def test_document_panel_shows_tokens_and_context_meter(doc_panel):
     assert "1.2%" in doc_panel.context_text() and doc_panel.kv_label.text() == "KV: GPU"
     doc_panel.highlight_ranges([(6, 10), (200, 300)])
     assert doc_panel.highlighted_ranges() == [(6, 10)]          # out-of-text ranges are dropped
+    doc_panel.highlight_ranges([(0, 5), (6, 10)], [0.1, 1.0])           # weights: a faint and a strong tint
+    faint, strong = (s.format.background().color() for s in doc_panel.preview.extraSelections())
+    base = doc_panel.preview.palette().base().color()
+    assert abs(faint.lightnessF() - base.lightnessF()) < abs(strong.lightnessF() - base.lightnessF())
+    assert doc_panel.highlighted_ranges() == [(0, 5), (6, 10)] and doc_panel.preview.textCursor().position() == 6
     doc_panel.highlight_ranges([])
+    assert doc_panel.highlighted_ranges() == []
+    doc_panel.highlight_ranges([(0, 5)])
+    doc_panel.set_document("other.md", "Another text.", 3)                 # a new document: no highlight
     assert doc_panel.highlighted_ranges() == []
     doc_panel.clear()
     assert doc_panel.tokens_label.text() == "" and doc_panel.preview.toPlainText() == ""
