@@ -311,6 +311,8 @@ class MainWindow(QMainWindow):
         self.model_info = dict(info)
         self.status.set_model(info)
         self.ring.set_mode(info.get("mode"))
+        if info.get("policy") in POLICIES:                  # what the engine runs (the panel may be ahead of it)
+            self.status.set_policy(POLICIES[info["policy"]][0])
         self.policy_panel.set_engine_policies(info.get("policies") or ["full"])
         self.policy_panel.set_model_label(info.get("name", ""))
         self.policy_panel.set_load_progress(1.0, info.get("plan") or f"{info.get('name')} on {info.get('device')}")

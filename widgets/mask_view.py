@@ -68,7 +68,7 @@ class MaskView(QWidget):
         item = self.plot.getPlotItem()
         self.viewbox: pg.ViewBox = item.getViewBox()
         self.viewbox.invertY(True)                   # the first query on top
-        self.viewbox.setAspectLocked(True)
+        self.viewbox.setAspectLocked(False)          # fill the dock: a flat dock would shrink a square mask to a sliver
         item.setLabel("bottom", "key position")
         item.setLabel("left", "query position")
         self.img = pg.ImageItem(axisOrder="row-major")

@@ -97,11 +97,12 @@ def vertical_slash_reference(q, k, v, pat: VerticalSlash, scale: float):
     isv.scatter_(1, pat.vertical.long(), True)
     cols = torch.arange(tk, device=q.device)
 
-    def mask(h, rows):
-        m0 = off + rows // bm * bm
-        t = m0[:, None] - cols[None]
-        m = cov[h][(t + bm - 1).clamp(0, tk + bm - 1)] & (t > -bm) | isv[h][None]
-        return m & (cols[None] <= (off + rows)[:, None])
+    def mask(h, rows):            # every row of a query block sees the same columns (up to causality)
+        blocks = rows // bm
+        first = int(blocks[0])
+        t = (off + torch.arange(first, int(blocks[-1]) + 1, device=q.device)[:, None] * bm) - cols[None]
+        per_block = cov[h][(t + bm - 1).clamp(0, tk + bm - 1)] & (t > -bm) | isv[h][None]      # [blocks, Tk]
+        return per_block[blocks - first] & (cols[None] <= (off + rows)[:, None])
     return _masked_attention(q, k, v, scale, mask)
 
 
