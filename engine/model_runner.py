@@ -16,7 +16,8 @@ from engine.layers.sampler import Sampler
 from engine.models.llama import CausalLM
 from engine.ops.attention import AttnMetadata
 from engine.sequence import Sequence
-from engine.sparse import KVLayout, SparsePolicy, make_policy
+from engine.sparse import SparsePolicy, make_policy
+from engine.sparse.policy import attach
 from engine.trace.events import COMPUTE, HOST
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -95,11 +96,8 @@ class ModelRunner:
 
     def set_policy(self, policy: SparsePolicy) -> None:
         """The sparse policy of the next requests (gpu mode: prefill policies; decode reads the whole cache)."""
-        a = self.args
-        policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.device,
-                                   self.dtype, self.num_blocks))
-        policy.recorder = self._recorder
-        self.policy = policy
+        self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks,
+                             self._recorder)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.policy, layer.self_attn.attn.layer_id = policy, i
 

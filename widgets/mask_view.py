@@ -15,13 +15,13 @@ from collections import deque
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QRectF, Qt
-from PySide6.QtGui import QColor, QPalette
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QStackedLayout, QVBoxLayout, QWidget
 
 from engine.trace.events import PREFILL
 from widgets.export import add_export_actions
 from widgets.mask_pattern import MINFERENCE, NAMES, PrefillMasks, bin_edges
-from widgets.trace_common import KIND_COLORS, show_hover
+from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, show_hover
 
 NO_MASKS_HINT = ("no sparse prefill masks: choose MInference or XAttention and send a prompt longer than the "
                  "policy's dense-below length")
@@ -122,18 +122,7 @@ class MaskView(QWidget):
 
     def _apply_palette(self) -> None:
         """Background and axes from the palette; the lookup table runs from the background to MASK_COLOR."""
-        pal = self.palette()
-        bg, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
-        for plot in (self.plot, self.strip):
-            plot.setBackground(bg)
-            for name in ("left", "bottom"):
-                axis = plot.getPlotItem().getAxis(name)
-                axis.setPen(fg)
-                axis.setTextPen(fg)
-        c = QColor(MASK_COLOR)
-        t = np.linspace(0.0, 1.0, 256)[:, None]
-        lut = (1 - t) * [bg.red(), bg.green(), bg.blue()] + t * [c.red(), c.green(), c.blue()]
-        self.img.setLookupTable(np.round(lut).astype(np.uint8))
+        apply_heatmap_palette(self, (self.plot, self.strip), self.img, MASK_COLOR)
         self._draw_strip()
 
     # ---------------------------------------------------------------- history

@@ -15,13 +15,12 @@ from collections import deque
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QPoint, QRectF, Qt
-from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QSlider, QStackedLayout, QToolTip,
                                QVBoxLayout, QWidget)
 
 from engine.trace.events import DECODE, QuestPick, StepTrace
 from widgets.export import add_export_actions
-from widgets.trace_common import KIND_COLORS, fmt_pct, show_hover
+from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, fmt_pct, show_hover
 
 NO_PICKS_HINT = "no Quest picks: choose the Quest policy in layerwise mode"
 PICK_COLOR = KIND_COLORS["layer"]
@@ -104,17 +103,7 @@ class QuestView(QWidget):
 
     def _apply_palette(self) -> None:
         """Background and axes from the palette; the lookup table runs from the background to PICK_COLOR."""
-        pal = self.palette()
-        bg, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
-        self.plot.setBackground(bg)
-        for name in ("left", "bottom"):
-            axis = self.plot.getPlotItem().getAxis(name)
-            axis.setPen(fg)
-            axis.setTextPen(fg)
-        c = QColor(PICK_COLOR)
-        t = np.linspace(0.0, 1.0, 256)[:, None]
-        lut = (1 - t) * [bg.red(), bg.green(), bg.blue()] + t * [c.red(), c.green(), c.blue()]
-        self.img.setLookupTable(np.round(lut).astype(np.uint8))
+        apply_heatmap_palette(self, (self.plot,), self.img, PICK_COLOR)
 
     # ---------------------------------------------------------------- history
     def set_steps(self, steps) -> None:

@@ -272,3 +272,21 @@ def show_hover(plot, viewbox, scene_pos, tooltip_at) -> str:
     else:
         QToolTip.hideText()
     return text
+
+
+def apply_heatmap_palette(widget: QWidget, plots, image, color: str) -> None:
+    """Heatmap views (Quest picks, sparse masks): plot backgrounds and axes from the widget's palette, and the
+    image's lookup table from the background to `color`, so a map reads in light and dark themes alike."""
+    import numpy as np
+    pal = widget.palette()
+    bg, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
+    for plot in plots:
+        plot.setBackground(bg)
+        for name in ("left", "bottom"):
+            axis = plot.getPlotItem().getAxis(name)
+            axis.setPen(fg)
+            axis.setTextPen(fg)
+    c = QColor(color)
+    t = np.linspace(0.0, 1.0, 256)[:, None]
+    lut = (1 - t) * [bg.red(), bg.green(), bg.blue()] + t * [c.red(), c.green(), c.blue()]
+    image.setLookupTable(np.round(lut).astype(np.uint8))

@@ -18,7 +18,7 @@ from engine.models.llama import CausalLM
 from engine.offload.offload_engine import OffloadEngine
 from engine.sequence import Sequence
 from engine.sparse import make_policy
-from engine.sparse.policy import KVLayout, SparsePolicy
+from engine.sparse.policy import SparsePolicy, attach
 from engine.trace.events import COMPUTE, HOST
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -71,11 +71,8 @@ class OffloadRunner:
 
     def set_policy(self, policy: SparsePolicy) -> None:
         """The sparse policy of the next requests (between requests only)."""
-        a = self.args
-        policy.initialize(KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.device,
-                                   self.dtype, self.num_blocks))
-        policy.recorder = self._recorder
-        self.policy = policy
+        self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks,
+                             self._recorder)
         self._chosen: dict[int, torch.Tensor] = {}      # Quest: layer -> pages [Hkv, k] for its next load
         self._chosen_version: dict[int, int] = {}       # layer -> selections made (a load's identity)
         self._chosen_pos: dict[int, torch.Tensor] = {}  # layer -> the same pages as positions in the sequence

@@ -82,6 +82,15 @@ class SparsePolicy(ABC):
         pass
 
 
+def attach(policy: SparsePolicy, args, block_size: int, device, dtype, num_blocks: int,
+           recorder: Recorder) -> SparsePolicy:
+    """Ready `policy` for a model's KV (its layout) and give it the recorder it reports to."""
+    policy.initialize(KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, block_size, device, dtype,
+                               num_blocks))
+    policy.recorder = recorder
+    return policy
+
+
 class SparsePrefillPolicy(SparsePolicy):
     """A policy that computes prefill attention on a sparse pattern (MInference, XAttention), dense below
     `min_len` keys or when too few queries are new. Subclasses give `sparse_attention` -> (out, pairs computed
