@@ -14,14 +14,14 @@ from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF, Qt
+from PySide6.QtCore import QRectF
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QStackedLayout, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
 
 from engine.trace.events import PREFILL
-from widgets.export import add_export_actions
+from widgets.heatmap_view import HeatmapView
 from widgets.mask_pattern import MINFERENCE, NAMES, PrefillMasks, bin_edges
-from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, show_hover
+from widgets.trace_common import KIND_COLORS, apply_heatmap_palette
 
 NO_MASKS_HINT = ("no sparse prefill masks: choose MInference or XAttention and send a prompt longer than the "
                  "policy's dense-below length")
@@ -40,7 +40,7 @@ def _span(values) -> str:
     return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
-class MaskView(QWidget):
+class MaskView(HeatmapView):
     """API: `set_steps(steps)`, `append_steps(steps)` (prefill steps with masks; the last `max_prefills` kept),
     `clear()`, `set_prefill_index(i)`, `set_layer(layer)`, `set_head(h)` (MEAN_HEADS = -1 for the mean of the
     heads); read back `image()` (the uint8 array shown, row i = query tokens edges()[i]..edges()[i+1]-1, column j
@@ -56,25 +56,12 @@ class MaskView(QWidget):
         self._fractions = np.zeros((0, 0))
         self._edges = np.zeros(1, dtype=np.int64)
         self._cache: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self.hover_text = ""
 
         self.prefill_combo = QComboBox(toolTip="The recorded prefill whose masks are shown (newest last)")
         self.layer_combo = QComboBox(toolTip="The layer whose mask is shown (or click its bar below)")
         self.head_combo = QComboBox(toolTip="The query head whose mask is shown, or the mean of the heads")
-        self.caption = QLabel()
-        self.caption.setWordWrap(True)
-        self.plot = pg.PlotWidget()
-        self.plot.hideButtons()
-        item = self.plot.getPlotItem()
-        self.viewbox: pg.ViewBox = item.getViewBox()
-        self.viewbox.invertY(True)                   # the first query on top
-        self.viewbox.setAspectLocked(False)          # fill the dock: a flat dock would shrink a square mask to a sliver
-        item.setLabel("bottom", "key position")
-        item.setLabel("left", "query position")
-        self.img = pg.ImageItem(axisOrder="row-major")
-        self.img.setLevels([0, 255])
-        self.plot.addItem(self.img)
-        self.export_actions = add_export_actions(self.plot, "masks")
+        self._heatmap("key position", "query position", "masks")   # the first query on top; not aspect-locked:
+                                                                   # a flat dock would shrink a square mask
         self.strip = pg.PlotWidget()
         self.strip.hideButtons()
         self.strip.setFixedHeight(90)
@@ -93,33 +80,15 @@ class MaskView(QWidget):
             controls.addWidget(QLabel(label))
             controls.addWidget(combo)
         controls.addStretch(1)
-        content = QWidget()
-        col = QVBoxLayout(content)
-        col.setContentsMargins(0, 0, 0, 0)
-        col.addLayout(controls)
-        col.addWidget(self.caption)
-        col.addWidget(self.plot, 1)
-        col.addWidget(self.strip)
-        self.hint_label = QLabel(NO_MASKS_HINT, alignment=Qt.AlignmentFlag.AlignCenter)
-        self.hint_label.setWordWrap(True)
-        self._stack = QStackedLayout(self)
-        self._stack.addWidget(content)
-        self._stack.addWidget(self.hint_label)
-        self._stack.setCurrentWidget(self.hint_label)
+        self._layout(controls, self.strip, hint=NO_MASKS_HINT)
 
         self.prefill_combo.currentIndexChanged.connect(self._on_prefill_chosen)
         self.layer_combo.currentIndexChanged.connect(lambda *_: self._redraw())
         self.head_combo.currentIndexChanged.connect(lambda *_: self._redraw())
-        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.strip.scene().sigMouseClicked.connect(self._on_strip_clicked)
         self._apply_palette()
 
     # ---------------------------------------------------------------- palette
-    def changeEvent(self, event) -> None:
-        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange):
-            self._apply_palette()
-        super().changeEvent(event)
-
     def _apply_palette(self) -> None:
         """Background and axes from the palette; the lookup table runs from the background to MASK_COLOR."""
         apply_heatmap_palette(self, (self.plot, self.strip), self.img, MASK_COLOR)
@@ -238,9 +207,6 @@ class MaskView(QWidget):
         p = self.current()
         return {} if p is None else {layer: p.layer_density(layer) for layer in p.layers}
 
-    def showing_hint(self) -> bool:
-        return self._stack.currentWidget() is self.hint_label
-
     def _cells(self, p: PrefillMasks, layer: int, head: int) -> tuple[np.ndarray, np.ndarray]:
         key = (id(p), layer, head)
         if key not in self._cache:
@@ -325,6 +291,3 @@ class MaskView(QWidget):
                 ns = int(((d >= max(0, r0 - c1)) & (d <= r1 - c0)).sum())
                 lines.append(f"{nv} vertical columns, {ns} slash diagonals cross it")
         return "\n".join(lines)
-
-    def _on_mouse_moved(self, scene_pos) -> None:
-        self.hover_text = show_hover(self.plot, self.viewbox, scene_pos, self.tooltip_at)

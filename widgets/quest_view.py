@@ -13,14 +13,12 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QPoint, QRectF, Qt
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QHBoxLayout, QLabel, QSlider, QStackedLayout, QToolTip,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSlider, QWidget
 
 from engine.trace.events import DECODE, QuestPick, StepTrace
-from widgets.export import add_export_actions
-from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, fmt_pct, show_hover
+from widgets.heatmap_view import HeatmapView
+from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, fmt_pct
 
 NO_PICKS_HINT = "no Quest picks: choose the Quest policy in layerwise mode"
 PICK_COLOR = KIND_COLORS["layer"]
@@ -30,7 +28,7 @@ MODES = ("selected", "scores")
 LOW = 0.25           # score mode: the lowest-scoring chosen page still shows this much colour
 
 
-class QuestView(QWidget):
+class QuestView(HeatmapView):
     """API: `set_steps(steps)`, `append_steps(steps)` (decode steps with picks; the last `max_steps` kept),
     `clear()`, `set_kv_head(h)` (ALL_HEADS = -1 for the fraction of heads), `set_mode("selected"|"scores")`,
     `set_step_index(i)`; read back `image()` (the uint8 array shown, rows = `layers()`, column j = page id
@@ -46,7 +44,6 @@ class QuestView(QWidget):
         self._first = 0
         self._picks: dict[tuple[int, int], QuestPick] = {}
         self._n_heads = 0
-        self.hover_text = ""
 
         self.head_combo = QComboBox(toolTip="The kv head whose picks are shown, or the fraction of heads")
         self.mode_combo = QComboBox(toolTip="Selected pages, or their upper-bound scores normalised per layer")
@@ -55,19 +52,7 @@ class QuestView(QWidget):
         self.slider = QSlider(Qt.Orientation.Horizontal, minimum=0, maximum=0)
         self.slider.setToolTip("Recorded decode steps with Quest picks (newest on the right)")
         self.follow_check = QCheckBox("follow live", checked=True)
-        self.caption = QLabel()
-        self.caption.setWordWrap(True)
-        self.plot = pg.PlotWidget()
-        self.plot.hideButtons()
-        item = self.plot.getPlotItem()
-        self.viewbox: pg.ViewBox = item.getViewBox()
-        self.viewbox.invertY(True)                   # the first layer on top
-        item.setLabel("bottom", "page id")
-        item.setLabel("left", "layer")
-        self.img = pg.ImageItem(axisOrder="row-major")
-        self.img.setLevels([0, 255])
-        self.plot.addItem(self.img)
-        self.export_actions = add_export_actions(self.plot, "quest")
+        self._heatmap("page id", "layer", "quest")   # the first layer on top
 
         controls = QHBoxLayout()
         controls.addWidget(QLabel("kv head"))
@@ -75,32 +60,15 @@ class QuestView(QWidget):
         controls.addWidget(self.mode_combo)
         controls.addWidget(self.slider, 1)
         controls.addWidget(self.follow_check)
-        content = QWidget()
-        col = QVBoxLayout(content)
-        col.setContentsMargins(0, 0, 0, 0)
-        col.addLayout(controls)
-        col.addWidget(self.caption)
-        col.addWidget(self.plot, 1)
-        self.hint_label = QLabel(NO_PICKS_HINT, alignment=Qt.AlignmentFlag.AlignCenter)
-        self.hint_label.setWordWrap(True)
-        self._stack = QStackedLayout(self)
-        self._stack.addWidget(content)
-        self._stack.addWidget(self.hint_label)
-        self._stack.setCurrentWidget(self.hint_label)
+        self._layout(controls, hint=NO_PICKS_HINT)
 
         self.head_combo.currentIndexChanged.connect(lambda *_: self._redraw())
         self.mode_combo.currentIndexChanged.connect(lambda *_: self._redraw())
         self.slider.valueChanged.connect(self.set_step_index)
         self.follow_check.toggled.connect(self._on_follow)
-        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self._apply_palette()
 
     # ---------------------------------------------------------------- palette
-    def changeEvent(self, event) -> None:
-        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange):
-            self._apply_palette()
-        super().changeEvent(event)
-
     def _apply_palette(self) -> None:
         """Background and axes from the palette; the lookup table runs from the background to PICK_COLOR."""
         apply_heatmap_palette(self, (self.plot,), self.img, PICK_COLOR)
@@ -204,9 +172,6 @@ class QuestView(QWidget):
     def first_page(self) -> int:
         return self._first
 
-    def showing_hint(self) -> bool:
-        return self._stack.currentWidget() is self.hint_label
-
     def _redraw(self) -> None:
         step = self.current_step()
         if step is None:
@@ -276,6 +241,3 @@ class QuestView(QWidget):
             state = f"score {float(np.asarray(p.scores).ravel()[hit[0]]):.3g}" if len(hit) else "not selected"
             lines.append(f"head {h}: {state}")
         return "\n".join(lines)
-
-    def _on_mouse_moved(self, scene_pos) -> None:
-        self.hover_text = show_hover(self.plot, self.viewbox, scene_pos, self.tooltip_at)
