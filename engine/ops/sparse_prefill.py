@@ -146,6 +146,14 @@ if triton is not None:
         return acc, m_new, l_i * alpha + tl.sum(p, 1), n_pairs
 
     @triton.jit
+    def _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, program, so_t, so_h, offs_d):
+        """The block's output rows (a row with no key stays zero) and its count of computed pairs."""
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(PAIRS + program, n_pairs)
+
+    @triton.jit
     def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, tq, offset, n_vert, n_grp, cov_len, qk_scale,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
@@ -156,7 +164,8 @@ if triton is not None:
         pos = offset + rows
         m0 = offset + m * BM
         offs_d = tl.arange(0, D)
-        q = tl.load(Q + rows[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(Q + rows[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
         k_ptr = K + (h // G).to(tl.int64) * sk_h
         v_ptr = V + (h // G).to(tl.int64) * sv_h
         acc = tl.zeros((BM, D), dtype=tl.float32)
@@ -184,10 +193,7 @@ if triton is not None:
             cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
             acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, ok & (cov == 0), pos, row_ok,
                                            sk_t, sv_t, offs_d, qk_scale, True)
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(PAIRS + h * n_mb + m, n_pairs)
+        _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
     @triton.jit
     def _bs_kernel(Q, K, V, O, IDX, CNT, PAIRS, tq, tk, offset, max_k, qk_scale,
@@ -199,7 +205,8 @@ if triton is not None:
         row_ok = rows < tq
         pos = offset + rows
         offs_d = tl.arange(0, D)
-        q = tl.load(Q + rows[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(Q + rows[:, None].to(tl.int64) * sq_t + h * sq_h + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
         k_ptr = K + (h // G).to(tl.int64) * sk_h
         v_ptr = V + (h // G).to(tl.int64) * sv_h
         acc = tl.zeros((B, D), dtype=tl.float32)
@@ -218,10 +225,7 @@ if triton is not None:
                 else:
                     acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos,
                                                    row_ok, sk_t, sv_t, offs_d, qk_scale, True)
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + rows[:, None].to(tl.int64) * so_t + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(PAIRS + h * n_mb + m, n_pairs)
+        _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
 
 def _check(q, k, v):
