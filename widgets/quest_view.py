@@ -6,7 +6,8 @@ blocks of one sequence are mostly consecutive ids, so this is close to sequence 
 where chosen) and "scores" (the chosen pages' upper-bound scores, normalised per row). One kv head, or "all
 heads" (the fraction of heads choosing each page). A slider scrubs the recorded decode steps that carry picks;
 at the newest one it follows new steps. The pick recorded at step s is what its layer loads at step s + 1 (plus
-the newest block's pages, which are not part of the pick).
+the newest block's pages, which are not part of the pick). With Quest's recall measured (`recall=True`), step
+s + 1 records the share of the true attention mass that those pages held: the caption and the hover show it.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class QuestView(HeatmapView):
     """API: `set_steps(steps)`, `append_steps(steps)` (decode steps with picks; the last `max_steps` kept),
     `clear()`, `set_kv_head(h)` (ALL_HEADS = -1 for the fraction of heads), `set_mode("selected"|"scores")`,
     `set_step_index(i)`; read back `image()` (the uint8 array shown, rows = `layers()`, column j = page id
-    `first_page() + j`), `current_step()`, `kv_head()`, `step_count()`, `showing_hint()`, `caption.text()`."""
+    `first_page() + j`), `current_step()`, `recall()`, `kv_head()`, `step_count()`, `showing_hint()`,
+    `caption.text()`."""
 
     def __init__(self, max_steps: int = MAX_STEPS, parent: QWidget | None = None):
         super().__init__(parent)
@@ -213,6 +215,15 @@ class QuestView(HeatmapView):
         self.caption.setText(self._caption(step))
         self._stack.setCurrentIndex(0)
 
+    def recall(self) -> dict[int, float]:
+        """Layer -> the recall of the shown step's picks (the attention mass on the pages they loaded, measured
+        at the next step and averaged over the query heads); empty when not measured or not known yet."""
+        i = self._index
+        if not (0 <= i < len(self._steps) - 1) or self._steps[i + 1].step != self._steps[i].step + 1:
+            return {}
+        m = self._steps[i + 1].metrics
+        return {layer: m[f"quest_recall_l{layer}"] for layer in self._layers if f"quest_recall_l{layer}" in m}
+
     def _caption(self, step: StepTrace) -> str:
         head = self.kv_head()
         picks = [p for p in step.quest if head == ALL_HEADS or p.kv_head == head]
@@ -223,9 +234,15 @@ class QuestView(HeatmapView):
         frac = fmt_pct(np.mean([len(p.blocks) / p.n_blocks for p in picks if p.n_blocks])) if picks else "—"
         layers = self._layers
         who = "all heads" if head == ALL_HEADS else f"kv head {head}"
-        return (f"step {step.step} ({self._index + 1}/{len(self._steps)}) · {len(layers)} layers "
+        text = (f"step {step.step} ({self._index + 1}/{len(self._steps)}) · {len(layers)} layers "
                 f"({layers[0]}-{layers[-1]}) · {who} · {sel} / {cand} pages per layer ({frac} budget) · "
                 "loaded at the next step")
+        recall = self.recall()
+        if recall:
+            low = min(recall, key=recall.get)
+            text += (f" · recall {fmt_pct(np.mean(list(recall.values())))} (all heads; lowest: layer {low}, "
+                     f"{fmt_pct(recall[low])})")
+        return text
 
     # ---------------------------------------------------------------- hover
     def tooltip_at(self, x: float, y: float) -> str:
@@ -235,6 +252,9 @@ class QuestView(HeatmapView):
         layer, head = self._layers[row], self.kv_head()
         heads = range(self._n_heads) if head == ALL_HEADS else [head]
         lines = [f"layer {layer} · page {page}"]
+        recall = self.recall()
+        if layer in recall:
+            lines[0] += f" · recall {fmt_pct(recall[layer])}"
         for h in heads:
             p = self._picks.get((layer, h))
             hit = np.nonzero(np.asarray(p.blocks).ravel() == page)[0] if p is not None else []

@@ -39,6 +39,7 @@ class LayerwiseRunner(OffloadRunner):
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
         self._graphs = (DecodeGraphs(self) if self.device.type == "cuda" and not cfg.enforce_eager else None)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks) when loaded by pages
+        self._step_recall: dict[int, float] = {}       # layer -> Quest's recall measured this step
         return oe
 
     def _buffer(self, layer: int) -> int:
@@ -60,6 +61,7 @@ class LayerwiseRunner(OffloadRunner):
             h, residual = graphs.h, graphs.residual
         if is_prefill:
             self._chosen.clear()     # a new sequence: selections are made again from its own queries
+        self._step_recall = {}
         self._table_to_device(table)
         S, N = len(self.streamed), oe.ring_slots
         for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
@@ -106,6 +108,17 @@ class LayerwiseRunner(OffloadRunner):
                 model.task.layer_done(l + 1, len(model.layers))
         self._steps += 1
         return self._logits(h, residual)
+
+    def step_metrics(self) -> dict:
+        """Bytes moved; with Quest's recall measured, this step's recall: the mean over the sparse layers
+        (`quest_recall`), the lowest layer's (`quest_recall_min`) and each layer's (`quest_recall_l<layer>`)."""
+        m = super().step_metrics()
+        recall = self._step_recall
+        if recall:
+            m["quest_recall"] = sum(recall.values()) / len(recall)
+            m["quest_recall_min"] = min(recall.values())
+            m.update({f"quest_recall_l{l}": r for l, r in recall.items()})
+        return m
 
     def _qkv(self, layer, h, residual, cos, sin, K, V, slots) -> torch.Tensor:
         T = h.shape[0]
@@ -170,7 +183,9 @@ class LayerwiseRunner(OffloadRunner):
         pages = loaded[:, :n_host * bs].view(k.shape[0], n_host * ppb, p)
         pages.scatter_(1, self._chosen_pos[l][:, :, None].expand(-1, -1, p), True)
         loaded[:, (n_host - 1) * bs:] = True                              # newest full block + the partial one
-        quest.note_recall(l, quest.recall(q, k, loaded, self.scale))
+        r = quest.recall(q, k, loaded, self.scale)
+        quest.note_recall(l, r)
+        self._step_recall[l] = r.mean().item()     # for this step's trace (recall already synchronises)
         now, _ = quest.select(l, q, self._table_dev[:n_host - 1], self._chosen_pos[l].shape[1])
         loaded[:, :(n_host - 1) * bs] = False
         pages.scatter_(1, now[:, :, None].expand(-1, -1, p), True)

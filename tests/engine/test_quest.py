@@ -1,4 +1,5 @@
 """Quest's page bound and selection (the math, on random data)."""
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -143,16 +144,27 @@ def test_recall_measured_in_the_engine(tmp_path):
     tiny_model("qwen3", tmp_path)
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
 
-    def stats(budget):
+    def stats(budget, rec=None):
         llm = LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400, policy="quest",
                   policy_params={"token_budget": budget, "page_size": 16, "dense_layers": 0, "recall": True})
+        if rec is not None:
+            llm.recorder = rec
         return llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].stats.policy_stats
 
-    tight = stats(64)
+    rec = TraceRecorder()
+    tight = stats(64, rec)
     assert tight["selections"] > 0 and set(tight["recall_per_layer"]) == {"0", "1"}
     assert 0 < tight["recall_min_head"] <= tight["recall"] < 1
     assert 0 < tight["recall_current_query"] < 1
     assert "recall" not in stats(512)                               # the budget holds everything: never sparse
+    # each decode step's trace carries the recall it measured: per layer, their mean and the lowest layer's
+    measured = [s.metrics for s in rec.steps if "quest_recall" in s.metrics]
+    assert len(measured) == 5 and all(s.phase == "decode" for s in rec.steps if "quest_recall" in s.metrics)
+    for m in measured:                                              # the first decode step has no selection yet
+        layers = [m["quest_recall_l0"], m["quest_recall_l1"]]
+        assert m["quest_recall"] == pytest.approx(sum(layers) / 2) and m["quest_recall_min"] == min(layers)
+    per_layer0 = np.mean([m["quest_recall_l0"] for m in measured])
+    assert per_layer0 == pytest.approx(tight["recall_per_layer"]["0"], abs=1e-4)
 
 
 def test_select_blocks_per_policy():

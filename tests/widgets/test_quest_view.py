@@ -157,3 +157,28 @@ def test_png_export(qtbot, quest_steps, tmp_path):
         assert path.stat().st_size > 0
         path.unlink()
     assert [a.text() for a in view.export_actions] == ["Export PNG…", "Export SVG…"]
+
+
+def test_recall_of_the_picks_shows_when_measured(qtbot, default_model_dir, quest_steps):
+    steps = _run(default_model_dir, list(range(2000, 2900)), kv_block_size=64, mode="layerwise", max_model_len=2048,
+                 policy="quest", policy_params={"token_budget": 256, "page_size": 16, "dense_layers": DENSE_LAYERS,
+                                                "recall": True})[1]
+    view = _shown(qtbot, QuestView())
+    view.set_steps(steps)
+    picked = _picked(steps)
+    assert len(picked) >= 2
+    view.set_step_index(0)                                   # its picks were loaded, and measured, at the next step
+    nxt = next(s for s in steps if s.step == picked[0].step + 1)
+    recall = view.recall()
+    assert set(recall) == set(view.layers()) and len(recall) == 30 - DENSE_LAYERS
+    assert all(recall[layer] == nxt.metrics[f"quest_recall_l{layer}"] for layer in recall)
+    assert all(0 < r <= 1 for r in recall.values())
+    low = min(recall, key=recall.get)
+    assert f"lowest: layer {low}" in view.caption.text() and "recall " in view.caption.text()
+    assert f"layer {low} · page" in view.tooltip_at(view.first_page(), view.layers().index(low))
+    assert "recall" in view.tooltip_at(view.first_page(), view.layers().index(low))
+    view.set_step_index(-1)                                  # the newest picks: not loaded yet
+    assert view.recall() == {} and "recall" not in view.caption.text()
+    view.set_steps(quest_steps)                              # not measured
+    view.set_step_index(0)
+    assert view.recall() == {} and "recall" not in view.caption.text()
