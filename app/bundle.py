@@ -77,3 +77,28 @@ def write_bundle(folder: Path, window: QPixmap, views: dict[str, QWidget], chat:
 
     attempt("config.json", save_config)
     return written
+
+
+def export_chat_dialog(win) -> None:
+    """File → Export chat: Markdown or JSON, where the user says (the dialog asks before overwriting)."""
+    from PySide6.QtWidgets import QFileDialog, QMessageBox
+    path, _ = QFileDialog.getSaveFileName(win, "Export chat", str(Path.home() / "chat.md"),
+                                          "Markdown (*.md);;JSON (*.json)")
+    if path:
+        try:
+            win.chat.save(path, win.describe())
+            win.status.showMessage(f"chat saved to {path}", 5000)
+        except (OSError, ValueError) as e:
+            QMessageBox.warning(win, "Export failed", str(e))
+
+
+def export_bundle_dialog(win) -> None:
+    """File → Export bundle: into the folder the user picks (a fresh subfolder when it is not empty)."""
+    from PySide6.QtWidgets import QFileDialog, QMessageBox
+    folder = QFileDialog.getExistingDirectory(win, "Export bundle into a folder", str(Path.home()))
+    if folder:
+        try:
+            out = win.export_bundle(Path(folder))
+            win.status.showMessage(f"bundle written to {out}", 8000)
+        except OSError as e:
+            QMessageBox.warning(win, "Export failed", str(e))

@@ -15,19 +15,20 @@ default True), autostart (load the model and open the document now, default True
 """
 from __future__ import annotations
 
-import json
 import sys
 from collections import deque
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QThread, QTimer, Signal, Slot
+from PySide6.QtCore import QSettings, Qt, QThread, Signal, Slot
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox, QWidget
 
-from app.bundle import bundle_folder, write_bundle
+from app.bundle import bundle_folder, export_bundle_dialog, export_chat_dialog, write_bundle
 from app.cli import SAMPLE
 from app.quest_highlight import QuestHighlight
+from app.settings import restore_settings, save_settings
 from app.status import StatusBar
+from app.telemetry import TelemetryPump, gui_budget
 from app.worker import EngineWorker
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES, DocumentPanel
@@ -38,7 +39,6 @@ from widgets.quest_view import QuestView
 from widgets.ring_view import RingView
 from widgets.timeline_view import TimelineView
 
-TICK_MS = 33            # telemetry drain: ~30 Hz
 CLOSE_WAIT_MS = 30000   # closing waits this long for the worker (a model load cannot be interrupted)
 DOCS = (("document", "Document", Qt.DockWidgetArea.LeftDockWidgetArea),
         ("policy", "Policy", Qt.DockWidgetArea.RightDockWidgetArea),
@@ -78,8 +78,6 @@ class MainWindow(QMainWindow):
         self._pending: deque[str] = deque()   # kinds of the requests sent and not finished: "load" "open" "ask"
         self._head_started = False            # the oldest pending request has begun (busy(True) seen)
         self._stop_when_started = False       # Stop pressed before the pending question began
-        self._recent: deque = deque(maxlen=64)   # steps for the metrics strip
-        self._last_step = -1                     # number of the newest step drawn
         self._closed = False
         self.setWindowTitle("kvscope")
         self.resize(1400, 900)
@@ -87,10 +85,10 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._default_state = self.saveState()
         self._start_worker()
-        self.timer = QTimer(self, interval=TICK_MS)
-        self.timer.timeout.connect(self._tick)
-        self.timer.start()
-        self._restore_settings()
+        self.telemetry = TelemetryPump(self.worker.drain, (self.timeline, self.ring, self.quest, self.masks),
+                                       self._draw_steps, self.metrics.clear, parent=self)
+        self.telemetry.start()
+        restore_settings(self)
         if self.options.get("autostart", True):
             self._request("load", self.request_load, self._engine_config())
             self._request("open", self.request_open, str(self._initial_document()))
@@ -105,7 +103,7 @@ class MainWindow(QMainWindow):
         self.timeline = TimelineView()
         self.ring = RingView()
         self.quest = QuestView()
-        self.masks = MaskView()
+        self.masks = MaskView(threaded=True)     # binned off the GUI thread
         self.quest_highlight = QuestHighlight(self.document_panel)   # the document spans Quest reads
         views = {"document": self.document_panel, "policy": self.policy_panel, "metrics": self.metrics,
                  "timeline": self.timeline, "ring": self.ring, "quest": self.quest, "masks": self.masks}
@@ -149,8 +147,8 @@ class MainWindow(QMainWindow):
         action(file_menu, "&Open document…", self.open_document_dialog, QKeySequence.StandardKey.Open)
         action(file_menu, "&New chat", self.new_chat, QKeySequence.StandardKey.New)
         file_menu.addSeparator()
-        action(file_menu, "Export &chat…", self.export_chat_dialog)
-        action(file_menu, "Export &bundle…", self.export_bundle_dialog)
+        action(file_menu, "Export &chat…", lambda: export_chat_dialog(self))
+        action(file_menu, "Export &bundle…", lambda: export_bundle_dialog(self))
         file_menu.addSeparator()
         action(file_menu, "&Quit", self.close, "Ctrl+Q")
         view_menu = self.menuBar().addMenu("&View")
@@ -190,30 +188,6 @@ class MainWindow(QMainWindow):
         self.thread.start()
 
     # ------------------------------------------------------------------ settings
-    def _restore_settings(self) -> None:
-        if self.options.get("max_new_tokens"):
-            self.chat.set_sampling({"max_tokens": int(self.options["max_new_tokens"])})
-        if not self.options.get("restore", True):
-            return
-        geometry, state = self.settings.value("geometry"), self.settings.value("windowState")
-        if isinstance(geometry, QByteArray):
-            self.restoreGeometry(geometry)
-        if isinstance(state, QByteArray):
-            self.restoreState(state)
-        try:
-            panel = json.loads(self.settings.value("policy", "") or "{}")
-        except (TypeError, ValueError):
-            panel = {}
-        if panel:
-            self.policy_panel.set_config(panel)
-            self.status.set_policy(POLICIES[self.policy_panel.policy()][0])
-
-    def _save_settings(self) -> None:
-        self.settings.setValue("geometry", self.saveGeometry())
-        self.settings.setValue("windowState", self.saveState())
-        self.settings.setValue("policy", json.dumps(self.policy_panel.config()))
-        self.settings.sync()
-
     def _initial_document(self) -> Path:
         if self.options.get("document"):
             return Path(self.options["document"])
@@ -298,6 +272,7 @@ class MainWindow(QMainWindow):
             self.policy_panel.set_busy(head == "ask")
         else:
             self._finish_head()
+            self.telemetry.flush()            # the request's last steps, drawn now
             self.policy_panel.set_busy(False)
             self.status.hide_progress()
 
@@ -309,6 +284,7 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_model_ready(self, info: dict) -> None:
         self.model_info = dict(info)
+        self.telemetry.set_budget(gui_budget(info.get("device", ""), int(info.get("threads", 1))))
         self.status.set_model(info)
         self.ring.set_mode(info.get("mode"))
         if info.get("policy") in POLICIES:                  # what the engine runs (the panel may be ahead of it)
@@ -359,35 +335,21 @@ class MainWindow(QMainWindow):
             self.document_panel.show_error(message)
         else:
             self.chat.show_error(message)
-        if head == "load":
+        if head == "load":             # the engine that was loaded still runs: the model picker goes back to it
             self.policy_panel.set_load_progress(1.0, message)
+            loaded = self.worker.engine_config.get("model", self.engine_overrides.get("model"))
+            if loaded is None:
+                self.engine_overrides.pop("model", None)
+            else:
+                self.engine_overrides["model"] = loaded
+            self.policy_panel.set_model_label(self.model_info.get("name", ""))
         self.status.showMessage(message, 10000)
 
     # ------------------------------------------------------------------ telemetry
-    def _tick(self) -> None:
-        """Drain the steps the engine recorded since the last tick and redraw each view once.
-
-        A reloaded engine's recorder counts steps from 0 again on its own clock: from its first step on, the views
-        start over (the old engine's steps drained before it are dropped with them)."""
-        steps = self.worker.drain()
-        if not steps:
-            return
-        numbers = [self._last_step] + [s.step for s in steps]
-        restart = max((i for i in range(len(steps)) if numbers[i + 1] <= numbers[i]), default=None)
-        if restart is not None:
-            steps = steps[restart:]
-            for view in (self.timeline, self.ring, self.quest, self.masks):
-                view.clear()
-            self._recent.clear()
-            self.metrics.clear()
-        self._last_step = steps[-1].step
-        self._recent.extend(steps)
-        self.timeline.append_steps(steps)
-        self.ring.append_steps(steps)
-        self.quest.append_steps(steps)
-        self.masks.append_steps(steps)
+    def _draw_steps(self, steps: list, recent) -> None:
+        """The rest of a telemetry tick (the pump fed the trace views): the highlight, metrics and memory."""
         self.quest_highlight.feed(steps)
-        self.metrics.update_from_steps(self._recent)
+        self.metrics.update_from_steps(recent)
         offload = self.model_info.get("mode", "gpu") != "gpu"
         for step in reversed(steps):
             if step.metrics:
@@ -395,25 +357,6 @@ class MainWindow(QMainWindow):
                 break
 
     # ------------------------------------------------------------------ export
-    def export_chat_dialog(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(Path.home() / "chat.md"),
-                                              "Markdown (*.md);;JSON (*.json)")
-        if path:
-            try:
-                self.chat.save(path, self.describe())
-                self.status.showMessage(f"chat saved to {path}", 5000)
-            except (OSError, ValueError) as e:
-                QMessageBox.warning(self, "Export failed", str(e))
-
-    def export_bundle_dialog(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Export bundle into a folder", str(Path.home()))
-        if folder:
-            try:
-                out = self.export_bundle(Path(folder))
-                self.status.showMessage(f"bundle written to {out}", 8000)
-            except OSError as e:
-                QMessageBox.warning(self, "Export failed", str(e))
-
     def describe(self) -> dict:
         """What the session runs: the panel's config, the engine's, the model, the document and the sampling."""
         doc = {k: v for k, v in self.document_info.items() if k != "text"}
@@ -446,7 +389,7 @@ class MainWindow(QMainWindow):
 
     def shutdown(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
         """Stop any answer, end the worker's thread and wait for it (bounded); True when the thread finished."""
-        self.timer.stop()
+        self.telemetry.stop()
         self.worker.stop()
         self.thread.quit()                    # requests still queued are dropped
         return self.thread.wait(timeout_ms)
@@ -454,7 +397,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         if not self._closed:
             self._closed = True
-            self._save_settings()
+            save_settings(self)
             if not self.shutdown():
                 print("kvscope: the engine thread did not stop in time", file=sys.stderr)
         super().closeEvent(event)

@@ -27,7 +27,7 @@ def _without_policy(config: dict) -> dict:
 
 class EngineWorker(QObject):
     model_progress = Signal(float, str)   # loading the model
-    model_ready = Signal(dict)            # name, device, dtype, mode, max_model_len, plan, policies, policy
+    model_ready = Signal(dict)            # name, device, dtype, mode, max_model_len, plan, policies, policy, threads
     document_ready = Signal(dict)         # name, path, text, tokens, limit
     prefill_progress = Signal(float, str)
     answer_text = Signal(str)             # a piece of the answer
@@ -77,8 +77,7 @@ class EngineWorker(QObject):
             self.busy.emit(False)
 
     def _build(self, config: dict) -> None:
-        from engine import LLM
-        from engine.trace import TraceRecorder
+        from engine.llm import check_model
         if self.llm is not None and config == self.engine_config:
             return
         if self.llm is not None and _without_policy(config) == _without_policy(self.engine_config):
@@ -88,10 +87,26 @@ class EngineWorker(QObject):
             self.engine_config = dict(config)
             self._ready()
             return
-        old, self.llm = self.llm, None
-        if old is not None:
+        check_model(config.get("model"))         # a wrong folder is refused while the loaded engine still runs
+        old, previous, self.llm = self.llm, self.engine_config, None
+        if old is not None:                       # freed first: two big models may not fit side by side
             del old
             gc.collect()
+        try:
+            self._load(config)
+        except Exception:
+            if previous:                          # bad weights, out of memory: the engine that ran comes back
+                history = self.history
+                try:
+                    self._load(previous)
+                    self.history = history
+                except Exception:  # noqa: BLE001 - the first error is the one to show
+                    self.llm, self.engine_config = None, {}
+            raise
+
+    def _load(self, config: dict) -> None:
+        from engine import LLM
+        from engine.trace import TraceRecorder
         llm = LLM(progress=self.model_progress.emit, **config)
         llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append)
         self.llm, self.engine_config = llm, dict(config)
@@ -101,12 +116,14 @@ class EngineWorker(QObject):
             self._announce(self.document)
 
     def _ready(self) -> None:
+        import torch
+
         from engine import POLICIES
         llm = self.llm
         self.model_ready.emit({"name": llm.model_name, "device": str(llm.device),
                                "dtype": str(llm.dtype).removeprefix("torch."), "mode": llm.config.mode,
                                "max_model_len": llm.max_model_len, "policies": list(POLICIES),
-                               "policy": llm.config.policy,
+                               "policy": llm.config.policy, "threads": torch.get_num_threads(),
                                "plan": llm.plan.describe() if llm.plan is not None else ""})
 
     @Slot(str)

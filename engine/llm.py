@@ -357,6 +357,13 @@ def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, re
     return runner
 
 
+def check_model(model: str | None) -> None:
+    """The cheap checks of a model folder (it exists, its config.json names a supported architecture), without
+    loading anything: the app runs them before it lets go of the engine it has. Raises ModelError/ConfigError."""
+    if model is not None:
+        read_config(_resolve_model_dir(model, None))
+
+
 def _resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
     if model is None:
         from engine.defaults import ensure_default_model

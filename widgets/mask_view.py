@@ -5,23 +5,27 @@ positions (top to bottom), columns = key positions, binned to at most 256 x 256 
 mask_pattern.py). A cell's colour is the share of its causal pairs that were computed (any computed pair shows at
 least LOW, so a lone vertical line stays visible); the upper triangle is never computed and stays empty, and so do
 the rows of prompt tokens that came from the prefix cache. One query head, or the mean of the heads. Below the
-mask, a strip of bars gives each layer's mean density (click one to show that layer). The newest prefill with
-masks is shown; a chooser goes back to earlier ones.
+mask, a small layers × heads grid gives each head's recorded density (click a cell to show that layer and head).
+The newest prefill with masks is shown; a chooser goes back to earlier ones.
+
+Binning a mask takes ~15 ms per head (the mean of the heads: all of them), so with `threaded=True` (the app) it
+runs on a background thread: the view asks for the cells it shows, keeps drawing the previous picture meanwhile
+and redraws when they arrive (`is_binning()`). Without it (tests of the pictures), it bins inline.
 """
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF
-from PySide6.QtGui import QColor
+from PySide6.QtCore import QRectF, Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
 
 from engine.trace.events import PREFILL
 from widgets.heatmap_view import HeatmapView
 from widgets.mask_pattern import MINFERENCE, NAMES, PrefillMasks, bin_edges
-from widgets.trace_common import KIND_COLORS, apply_heatmap_palette
+from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, show_hover
 
 NO_MASKS_HINT = ("no sparse prefill masks: choose MInference or XAttention and send a prompt longer than the "
                  "policy's dense-below length")
@@ -46,10 +50,16 @@ class MaskView(HeatmapView):
     heads); read back `image()` (the uint8 array shown, row i = query tokens edges()[i]..edges()[i+1]-1, column j
     likewise for keys), `fractions()` (each cell's share of computed pairs), `current()` (the PrefillMasks shown),
     `layer()`, `head()`, `layer_densities()`, `prefill_count()`, `showing_hint()`, `caption.text()`,
-    `tooltip_at(x, y)` (x = key position, y = query position)."""
+    `tooltip_at(x, y)` (x = key position, y = query position), `head_densities()` (the grid, [layers, heads]),
+    `grid_tooltip_at(layer, head)`, `is_binning()`."""
 
-    def __init__(self, max_prefills: int = MAX_PREFILLS, parent: QWidget | None = None):
+    _binned = Signal(object, object, object)   # (cache key, its PrefillMasks, (kept, causal)) from the binning thread
+
+    def __init__(self, max_prefills: int = MAX_PREFILLS, threaded: bool = False, parent: QWidget | None = None):
         super().__init__(parent)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvscope-masks") if threaded else None
+        self._asked: set = set()          # cache keys being binned
+        self._binned.connect(self._on_binned)
         self._prefills: deque[PrefillMasks] = deque(maxlen=max_prefills)
         self._index = -1
         self._image = np.zeros((0, 0), dtype=np.uint8)
@@ -62,17 +72,20 @@ class MaskView(HeatmapView):
         self.head_combo = QComboBox(toolTip="The query head whose mask is shown, or the mean of the heads")
         self._heatmap("key position", "query position", "masks")   # the first query on top; not aspect-locked:
                                                                    # a flat dock would shrink a square mask
-        self.strip = pg.PlotWidget()
-        self.strip.hideButtons()
-        self.strip.setFixedHeight(90)
-        self.strip.setMouseEnabled(x=False, y=False)
-        strip_item = self.strip.getPlotItem()
-        strip_item.setLabel("left", "density")
-        strip_item.setLabel("bottom", "layer")
-        self.strip.setYRange(0, 1, padding=0.05)
-        strip_item.getAxis("left").setTicks([[(0.0, "0"), (0.5, "50%"), (1.0, "100%")]])
-        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8)
-        self.strip.addItem(self.bars)
+        self.grid = pg.PlotWidget()            # density per head: layers (x) × heads (y, the first on top)
+        self.grid.hideButtons()
+        self.grid.setFixedHeight(110)
+        self.grid.setMouseEnabled(x=False, y=False)
+        grid_item = self.grid.getPlotItem()
+        grid_item.setLabel("left", "head")
+        grid_item.setLabel("bottom", "layer · density per head")
+        grid_item.getViewBox().invertY(True)
+        self.grid_img = pg.ImageItem(axisOrder="row-major")
+        self.grid_img.setLevels([0, 255])
+        self.grid.addItem(self.grid_img)
+        self.grid_mark = pg.PlotDataItem(pen=pg.mkPen(width=2))   # the layer and head shown
+        self.grid.addItem(self.grid_mark)
+        self._grid = np.zeros((0, 0))
 
         controls = QHBoxLayout()
         for label, combo in (("prefill", self.prefill_combo), ("layer", self.layer_combo),
@@ -80,19 +93,22 @@ class MaskView(HeatmapView):
             controls.addWidget(QLabel(label))
             controls.addWidget(combo)
         controls.addStretch(1)
-        self._layout(controls, self.strip, hint=NO_MASKS_HINT)
+        self._layout(controls, self.grid, hint=NO_MASKS_HINT)
 
         self.prefill_combo.currentIndexChanged.connect(self._on_prefill_chosen)
         self.layer_combo.currentIndexChanged.connect(lambda *_: self._redraw())
         self.head_combo.currentIndexChanged.connect(lambda *_: self._redraw())
-        self.strip.scene().sigMouseClicked.connect(self._on_strip_clicked)
+        self.grid.scene().sigMouseClicked.connect(self._on_grid_clicked)
+        self.grid.scene().sigMouseMoved.connect(self._on_grid_hover)
         self._apply_palette()
 
     # ---------------------------------------------------------------- palette
     def _apply_palette(self) -> None:
-        """Background and axes from the palette; the lookup table runs from the background to MASK_COLOR."""
-        apply_heatmap_palette(self, (self.plot, self.strip), self.img, MASK_COLOR)
-        self._draw_strip()
+        """Background and axes from the palette; the lookup tables run from the background to MASK_COLOR."""
+        apply_heatmap_palette(self, (self.plot, self.grid), self.img, MASK_COLOR)
+        apply_heatmap_palette(self, (), self.grid_img, MASK_COLOR)
+        self.grid_mark.setPen(pg.mkPen(self.palette().color(self.foregroundRole()), width=2))
+        self._draw_grid()
 
     # ---------------------------------------------------------------- history
     def set_steps(self, steps) -> None:
@@ -207,11 +223,47 @@ class MaskView(HeatmapView):
         p = self.current()
         return {} if p is None else {layer: p.layer_density(layer) for layer in p.layers}
 
-    def _cells(self, p: PrefillMasks, layer: int, head: int) -> tuple[np.ndarray, np.ndarray]:
+    def head_densities(self) -> np.ndarray:
+        """The grid: [layers of the prefill shown, heads] recorded densities (nan where a head was not recorded)."""
+        p = self.current()
+        if p is None:
+            return np.zeros((0, 0))
+        return np.array([[p.masks[(layer, h)].density if (layer, h) in p.masks else np.nan
+                          for h in range(p.n_heads)] for layer in p.layers], dtype=np.float64).reshape(
+                              len(p.layers), p.n_heads)
+
+    def is_binning(self) -> bool:
+        """Whether the picture asked for is still being binned (threaded only)."""
+        return bool(self._asked)
+
+    def _cells(self, p: PrefillMasks, layer: int, head: int):
+        """The (kept, causal) cells shown; threaded, None until they arrive (the view redraws then)."""
         key = (id(p), layer, head)
-        if key not in self._cache:
+        if key in self._cache:
+            return self._cache[key]
+        if self._pool is None:
             self._cache[key] = p.cells(layer, head, self._edges)
-        return self._cache[key]
+            return self._cache[key]
+        if key not in self._asked:
+            self._asked.add(key)
+            self._pool.submit(self._bin, key, p, layer, head, self._edges)
+        return None
+
+    def _bin(self, key, p: PrefillMasks, layer: int, head: int, edges: np.ndarray) -> None:
+        """On the binning thread: the cells, sent back to the GUI thread by a queued signal."""
+        cells = p.cells(layer, head, edges)
+        try:
+            self._binned.emit(key, p, cells)
+        except RuntimeError:      # the view is gone
+            pass
+
+    def _on_binned(self, key, masks: PrefillMasks, cells) -> None:
+        self._asked.discard(key)
+        if any(p is masks for p in self._prefills):          # still held (the job kept it alive: ids stay unique)
+            self._cache[key] = cells
+            p = self.current()
+            if p is not None and key == (id(p), self.layer(), self.head()):
+                self._redraw()
 
     def _redraw(self) -> None:
         p = self.current()
@@ -219,12 +271,18 @@ class MaskView(HeatmapView):
             self._image, self._fractions = np.zeros((0, 0), dtype=np.uint8), np.zeros((0, 0))
             self.img.clear()
             self.caption.setText("")
-            self._draw_strip()
+            self._draw_grid()
             self._stack.setCurrentWidget(self.hint_label)
             return
         self._sync_choices(p)
         self._edges = bin_edges(p.n)
-        kept, causal = self._cells(p, self.layer(), self.head())
+        self._draw_grid()
+        self._stack.setCurrentIndex(0)
+        cells = self._cells(p, self.layer(), self.head())
+        if cells is None:                                   # being binned: the previous picture stays meanwhile
+            self.caption.setText(self._caption(p) + " · binning…")
+            return
+        kept, causal = cells
         self._fractions = np.divide(kept, causal, out=np.zeros_like(kept, dtype=float), where=causal > 0)
         shown = np.where(kept > 0, LOW + (1 - LOW) * self._fractions, 0.0)
         self._image = np.clip(np.round(shown * 255), 0, 255).astype(np.uint8)
@@ -232,8 +290,6 @@ class MaskView(HeatmapView):
         self.img.setRect(QRectF(0, 0, p.n, p.n))
         self.viewbox.setRange(xRange=(0, p.n), yRange=(0, p.n), padding=0)
         self.caption.setText(self._caption(p))
-        self._draw_strip()
-        self._stack.setCurrentIndex(0)
 
     def _caption(self, p: PrefillMasks) -> str:
         layer, head = self.layer(), self.head()
@@ -251,20 +307,50 @@ class MaskView(HeatmapView):
                      "slashes" + (" per head" if len(ms) > 1 else ""))
         return text
 
-    def _draw_strip(self) -> None:
-        densities = self.layer_densities()
-        layers = list(densities)
-        shown = self.layer()
-        brushes = [pg.mkBrush(MASK_COLOR if x == shown else QColor(MASK_COLOR).lighter(160)) for x in layers]
-        self.bars.setOpts(x=layers, height=[densities[x] for x in layers], width=0.8, brushes=brushes,
-                          pen=pg.mkPen(None))
-        if layers:
-            self.strip.setXRange(layers[0] - 0.5, layers[-1] + 0.5, padding=0)
+    def _draw_grid(self) -> None:
+        """The layers × heads density grid, with the layer and head shown outlined (the whole column for the mean)."""
+        p, grid = self.current(), self.head_densities()
+        if p is None or not grid.size:
+            self.grid_img.clear()
+            self.grid_mark.setData([], [])
+            return
+        self.grid_img.setImage(np.round(np.nan_to_num(grid.T) * 255).astype(np.uint8), autoLevels=False,
+                               levels=(0, 255))
+        self.grid_img.setRect(QRectF(-0.5, -0.5, len(p.layers), p.n_heads))
+        self.grid.setXRange(-0.5, len(p.layers) - 0.5, padding=0)
+        self.grid.setYRange(-0.5, p.n_heads - 0.5, padding=0)
+        every = max(1, len(p.layers) // 12)
+        self.grid.getPlotItem().getAxis("bottom").setTicks(
+            [[(i, str(layer)) for i, layer in enumerate(p.layers) if i % every == 0], []])
+        x = p.layers.index(self.layer()) if self.layer() in p.layers else 0
+        y0, y1 = (-0.5, p.n_heads - 0.5) if self.head() == MEAN_HEADS else (self.head() - 0.5, self.head() + 0.5)
+        self.grid_mark.setData([x - 0.5, x + 0.5, x + 0.5, x - 0.5, x - 0.5], [y0, y0, y1, y1, y0])
 
-    def _on_strip_clicked(self, event) -> None:
-        vb = self.strip.getPlotItem().getViewBox()
-        if vb.sceneBoundingRect().contains(event.scenePos()):
-            self.set_layer(int(round(vb.mapSceneToView(event.scenePos()).x())))
+    def _grid_cell(self, scene_pos) -> tuple[int, int] | None:
+        """(layer, head) of the grid cell under a scene position, or None."""
+        p, vb = self.current(), self.grid.getPlotItem().getViewBox()
+        if p is None or not vb.sceneBoundingRect().contains(scene_pos):
+            return None
+        pt = vb.mapSceneToView(scene_pos)
+        i, h = int(round(pt.x())), int(round(pt.y()))
+        return (p.layers[i], h) if 0 <= i < len(p.layers) and 0 <= h < p.n_heads else None
+
+    def _on_grid_clicked(self, event) -> None:
+        cell = self._grid_cell(event.scenePos())
+        if cell is not None:
+            self.set_layer(cell[0])
+            self.set_head(cell[1])
+
+    def grid_tooltip_at(self, layer: int, head: int) -> str:
+        p = self.current()
+        if p is None or (layer, head) not in p.masks:
+            return ""
+        return f"layer {layer} · head {head} · density {_pct(p.masks[(layer, head)].density)}"
+
+    def _on_grid_hover(self, scene_pos) -> None:
+        cell = self._grid_cell(scene_pos)
+        show_hover(self.grid, self.grid.getPlotItem().getViewBox(), scene_pos,
+                   lambda *_: "" if cell is None else self.grid_tooltip_at(*cell))
 
     # ---------------------------------------------------------------- hover
     def tooltip_at(self, x: float, y: float) -> str:
@@ -272,6 +358,8 @@ class MaskView(HeatmapView):
         p = self.current()
         if p is None or not (0 <= x < p.n and 0 <= y < p.n):
             return ""
+        if self.is_binning():
+            return "binning the mask…"
         e = self._edges
         i, j = (int(np.searchsorted(e, v, side="right")) - 1 for v in (y, x))
         r0, r1, c0, c1 = e[i], e[i + 1] - 1, e[j], e[j + 1] - 1

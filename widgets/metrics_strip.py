@@ -132,7 +132,7 @@ class MetricsStrip(QWidget):
             tokens = sum(s.metrics.get("decode_tokens", s.n_tokens) for s in decode)
             self._set("decode_tok_s", f"{tokens / (sum(s.dur_us for s in decode) / 1e6):,.1f}")
 
-        summary = summarize(recent)
+        summary = summarize([sp for s in recent for sp in s.spans if sp.lane in (H2D, D2H)])   # copy lanes only
         for lane, key, metric in ((H2D, "h2d_gbps", "bytes_h2d"), (D2H, "d2h_gbps", "bytes_d2h")):
             gbps = summary.gbps.get(lane, 0.0)
             if gbps <= 0:   # spans without bytes: the step metrics over the steps' time

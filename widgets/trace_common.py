@@ -31,6 +31,8 @@ KIND_COLORS = {
 STATE_COLORS = {FREE: "#7F7F7F", LOADING: KIND_COLORS[H2D], READY: "#AD8716", COMPUTING: KIND_COLORS["layer"]}
 
 DEFAULT_MAX_STEPS = 200
+OVERLAY_LIVE_MS = 250     # labels and the summary line: at most this often while following live steps
+OVERLAY_PAN_MS = 40       # ... and while the user pans or zooms
 
 
 def luminance(color) -> float:
@@ -94,7 +96,7 @@ class TracePlot(QWidget):
         self._history: deque[tuple[StepTrace, object]] = deque(maxlen=max_steps)
         self._follow = True
         self.hover_text = ""       # what the tooltip shows (or last showed) for the mouse position
-        self._overlay_timer = QTimer(self, singleShot=True, interval=40)
+        self._overlay_timer = QTimer(self, singleShot=True, interval=OVERLAY_PAN_MS)
         self._overlay_timer.timeout.connect(self.refresh_overlays)
 
         self.plot = pg.PlotWidget()
@@ -109,7 +111,7 @@ class TracePlot(QWidget):
         item.showGrid(x=True, y=False, alpha=0.25)
         self.set_rows(rows)
         self.viewbox.sigRangeChangedManually.connect(self._on_manual_range)
-        self.viewbox.sigXRangeChanged.connect(lambda *_: self._overlay_timer.start())
+        self.viewbox.sigXRangeChanged.connect(lambda *_: self._schedule_overlays())
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.export_actions = add_export_actions(self.plot, export_name)
 
@@ -165,7 +167,7 @@ class TracePlot(QWidget):
         self._redraw()
         if self._follow:
             self.scroll_to_latest()
-        self._overlay_timer.start()
+        self._schedule_overlays()
 
     def append_steps(self, steps) -> None:
         """Add several new steps (oldest first) with ONE redraw: for a GUI timer that drains steps in batches."""
@@ -177,7 +179,14 @@ class TracePlot(QWidget):
         self._redraw()
         if self._follow:
             self.scroll_to_latest()
-        self._overlay_timer.start()
+        self._schedule_overlays()
+
+    def _schedule_overlays(self) -> None:
+        """Refresh the overlays soon, at most once per interval: OVERLAY_LIVE_MS while following live steps (they
+        cost ~10 ms of a core each: refreshing after every step took CPU from the engine on small machines),
+        OVERLAY_PAN_MS while the user pans or zooms."""
+        if not self._overlay_timer.isActive():
+            self._overlay_timer.start(OVERLAY_LIVE_MS if self._follow else OVERLAY_PAN_MS)
 
     def clear(self) -> None:
         self._history.clear()

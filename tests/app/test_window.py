@@ -7,7 +7,9 @@ import json
 import time
 
 import pytest
+import numpy as np
 from PySide6.QtCore import QSettings, Qt
+from PySide6.QtGui import QImage
 
 from app.main_window import MainWindow, engine_kwargs
 from app.status import EtaEstimator, format_eta
@@ -31,6 +33,14 @@ def make_window(tmp_path, doc, model_dir, **options) -> MainWindow:
     win.resize(1300, 850)
     win.show()
     return win
+
+
+def _pixel_std(img: QImage) -> float:
+    """Standard deviation of the grey levels: a blank (one-colour) picture gives 0."""
+    grey = img.convertToFormat(QImage.Format.Format_Grayscale8)
+    row = grey.bytesPerLine()
+    data = np.frombuffer(grey.constBits(), dtype=np.uint8, count=row * grey.height()).reshape(grey.height(), row)
+    return float(data[:, :grey.width()].std())
 
 
 def wait_ready(qtbot, win, model_dir) -> None:
@@ -146,6 +156,10 @@ def test_export_bundle(window, tmp_path):
     for name in ("window.png", "timeline.png", "ring.png", "quest.png", "masks.png", "metrics.png", "chat.png",
                  "trace.json", "chat.md", "chat.json", "config.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for name in ("window.png", "timeline.png", "ring.png", "metrics.png", "chat.png"):   # real pictures, not blank
+        img = QImage(str(out / name))
+        assert not img.isNull() and img.width() > 50 and img.height() > 20, name
+        assert _pixel_std(img) > 5, name
     trace = json.loads((out / "trace.json").read_text())
     assert check_chrome_trace(trace) == []
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
@@ -266,13 +280,63 @@ def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
                         timeout=30_000)
 
 
-def test_a_bad_document_shows_its_error_in_the_document_panel(window, qtbot, tmp_path, doc):
-    bad = tmp_path / "empty.txt"
-    bad.write_text("   \n")
+@pytest.mark.parametrize("name, content, phrase", [
+    ("empty.txt", b"   \n", "empty"),
+    ("image.txt", bytes(range(256)) * 40, "binary"),
+    ("long.txt", (WORDS * 60).encode(), "tokens"),             # ~4K tokens: the context holds 2048
+])
+def test_a_bad_document_shows_its_error_in_the_document_panel(window, qtbot, tmp_path, doc, name, content, phrase):
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    tokens = window.document_panel.token_count()
     window.open_document(str(bad))
-    qtbot.waitUntil(lambda: "empty" in window.document_panel.message() and not window.is_busy(), timeout=30_000)
+    qtbot.waitUntil(lambda: phrase in window.document_panel.message() and not window.is_busy(), timeout=30_000)
     assert window.document_panel.document_name() == doc.name          # the open document stays
+    assert window.document_panel.token_count() == tokens
     assert window.chat.messages()[-1]["role"] == "assistant"          # nothing in the chat
+    if name == "long.txt":                                             # the numbers, and what to do
+        assert "2,048" in window.document_panel.message() and "shorter" in window.document_panel.message()
+
+
+def test_a_bad_model_folder_shows_its_error_and_keeps_the_loaded_model(window, qtbot, tmp_path, default_model_dir):
+    llm, name = window.worker.llm, window.status.model_label.text()
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "notes.txt").write_text("no config.json here")
+    window._on_model_folder(str(tmp_path / "not-a-model"))            # what the panel's folder picker does
+    qtbot.waitUntil(lambda: not window.is_busy(), timeout=60_000)
+    last = window.chat.messages()[-1]
+    assert last["role"] == "error" and "config.json" in last["text"] and "Traceback" not in last["text"]
+    assert window.worker.llm is llm and window.status.model_label.text() == name     # the old engine still runs
+    window._on_model_folder(str(default_model_dir))                   # back to the real one (the same engine)
+    qtbot.waitUntil(lambda: not window.is_busy(), timeout=60_000)
+    answer = ask(qtbot, window, QUESTION)
+    assert answer["role"] == "assistant" and answer["stats"]["finish_reason"] != "cancelled"
+
+
+def test_stop_during_prefill_returns_at_once_and_the_next_answer_is_right(window, qtbot, tmp_path, doc):
+    fresh = tmp_path / "fresh.md"                              # new text: nothing from the prefix cache
+    fresh.write_text("# Oslo office\n\n" + DOC_TEXT.replace("Bergen", "Oslo") + "\n" + WORDS * 18)
+    window.open_document(str(fresh))
+    qtbot.waitUntil(lambda: window.document_panel.document_name() == fresh.name and not window.is_busy(),
+                    timeout=30_000)
+    try:
+        n = len(window.chat.messages())
+        window.chat.input.setPlainText(QUESTION)
+        qtbot.mouseClick(window.chat.send_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: "prefill" in window.status.progress_text(), timeout=TURN_MS)
+        t0 = time.monotonic()
+        qtbot.keyClick(window.chat.input, Qt.Key.Key_Escape)
+        qtbot.waitUntil(lambda: not window.chat.is_streaming() and not window.is_busy(), timeout=20_000)
+        assert time.monotonic() - t0 < 5
+        stopped = window.chat.messages()[n + 1]
+        assert stopped["role"] == "assistant" and stopped["stats"]["finish_reason"] == "cancelled"
+        assert stopped["stats"]["completion_tokens"] == 0
+        answer = ask(qtbot, window, QUESTION)                  # the stopped prefill left no half-computed KV behind
+        assert "Oslo" in answer["text"] and answer["stats"]["cached_tokens"] == 0
+    finally:
+        window.open_document(str(doc))
+        qtbot.waitUntil(lambda: window.document_panel.document_name() == doc.name and not window.is_busy(),
+                        timeout=30_000)
 
 
 def test_closing_mid_answer_exits_cleanly(qapp, qtbot, tmp_path, doc, default_model_dir):

@@ -73,3 +73,19 @@ def test_another_engine_setting_rebuilds_the_engine(worker):
     assert worker.llm.config.kv_block_size == 128 and worker.llm.config.policy == "xattention"
     prefill = [s for s in _ask(worker) if s.phase == PREFILL]
     assert prefill[0].masks and prefill[0].masks[0].image is not None
+
+
+def test_weights_that_fail_to_load_bring_the_previous_engine_back(worker, tmp_path, default_model_dir):
+    """A folder that passes the cheap checks but whose weights are corrupt: the error is shown and the engine that
+    ran before is loaded again (with its chat), so the next question still has a model."""
+    for f in default_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json" + b"\x00" * 64)
+    before, history = dict(worker.engine_config), list(worker.history)
+    worker.load_model({**before, "model": str(tmp_path)})
+    assert len(worker.signals.errors) == 1 and "corrupt" in worker.signals.errors[0]
+    assert "model.safetensors" in worker.signals.errors[0]
+    assert worker.llm is not None and worker.engine_config == before and worker.history == history
+    worker.signals.errors.clear()
+    _ask(worker)

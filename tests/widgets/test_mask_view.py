@@ -1,5 +1,6 @@
 """The sparse prefill mask view on real traces of the engine (default model, CPU, MInference and XAttention)."""
 import numpy as np
+import pyqtgraph as pg
 import pytest
 
 from engine.trace.events import PREFILL
@@ -186,6 +187,51 @@ def test_xattention_shows_its_kept_blocks(qtbot, xa_steps):
         for j in np.flatnonzero(inside):
             if cb[j] < rb[i]:
                 assert frac[i, j] == (1.0 if blocks[rb[i], cb[j]] else 0.0)
+
+
+def test_the_grid_shows_each_heads_density_and_a_click_picks_it(qtbot, mi_steps):
+    view = _shown(qtbot, MaskView())
+    view.set_steps(mi_steps)
+    view.set_prefill_index(0)
+    p, grid = view.current(), view.head_densities()
+    assert grid.shape == (30, 9)
+    assert all(grid[i, h] == p.masks[(layer, h)].density for i, layer in enumerate(p.layers) for h in range(9))
+    assert len({round(x, 6) for x in grid.ravel()}) > 9                   # heads differ, not one value per layer
+    assert np.allclose(grid.mean(axis=1), [view.layer_densities()[layer] for layer in p.layers])
+    shown = view.grid_img.image                                           # heads down, layers across
+    assert shown.shape == (9, 30) and shown[4, 7] == round(grid[7, 4] * 255)
+    vb = view.grid.getPlotItem().getViewBox()
+    scene = vb.mapViewToScene(pg.Point(7, 4))                             # the cell of layer 7, head 4
+    assert view._grid_cell(scene) == (7, 4)
+    view._on_grid_clicked(type("Click", (), {"scenePos": lambda self: scene})())
+    assert view.layer() == 7 and view.head() == 4 and "layer 7 · head 4" in view.caption.text()
+    assert view.grid_tooltip_at(7, 4) == f"layer 7 · head 4 · density {100 * grid[7, 4]:.1f}%"
+    xs, ys = view.grid_mark.getData()                                     # the cell shown is outlined
+    assert (min(xs), max(xs), min(ys), max(ys)) == (6.5, 7.5, 3.5, 4.5)
+    view.set_head(MEAN_HEADS)
+    xs, ys = view.grid_mark.getData()
+    assert (min(ys), max(ys)) == (-0.5, 8.5)                              # the mean: the whole column
+
+
+def test_threaded_binning_draws_what_inline_binning_draws(qtbot, mi_steps):
+    inline, threaded = MaskView(), _shown(qtbot, MaskView(threaded=True))
+    qtbot.addWidget(inline)
+    for view in (inline, threaded):
+        view.set_steps(mi_steps)
+        view.set_prefill_index(0)
+        view.set_layer(9)
+        view.set_head(MEAN_HEADS)
+    assert threaded.is_binning() and "binning" in threaded.caption.text()    # not computed on the GUI thread
+    qtbot.waitUntil(lambda: not threaded.is_binning(), timeout=10_000)
+    assert "binning" not in threaded.caption.text()
+    assert np.array_equal(threaded.image(), inline.image()) and threaded.image().any()
+    mean = threaded.image()
+    threaded.set_head(3)
+    qtbot.waitUntil(lambda: not threaded.is_binning(), timeout=10_000)
+    inline.set_head(3)
+    assert np.array_equal(threaded.image(), inline.image())
+    threaded.set_head(MEAN_HEADS)                                         # binned before: from the cache, at once
+    assert not threaded.is_binning() and np.array_equal(threaded.image(), mean)
 
 
 def test_no_masks_shows_the_hint(qtbot, mi_runs):

@@ -1,0 +1,123 @@
+"""The window's telemetry pump: drains the engine's steps on a ~30 Hz timer, draws each view once per tick, and
+measures itself (how often it drew, how long a draw took, the share of the GUI thread it used).
+
+The engine never waits for the GUI: steps go into the worker's bounded deque (app/worker.py) and are drained here.
+Drawing costs CPU (and the GIL) that an engine on the CPU needs: on a 2-core machine, redrawing the views after
+every decode step took ~20-30% of a core and slowed decode by ~30%. So the pump holds the GUI thread under a
+budget (`set_budget`: the share of one core it may use): about once a second it compares the GUI thread's CPU
+time with the budget and halves or doubles the time between draws (33 ms .. 1 s). Steps are coalesced meanwhile,
+never dropped; `flush()` draws at once (the end of an answer).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+from PySide6.QtCore import QObject, QTimer
+
+TICK_MS = 33            # ~30 Hz
+MAX_INTERVAL_MS = 1000  # the slowest the views are redrawn while steps arrive
+ADJUST_S = 1.0          # how often the draw interval is adapted to the budget
+
+
+TIGHT_BUDGET = 0.05     # the GUI's share of a core when the engine computes on every core
+
+
+def gui_budget(device: str, engine_threads: int, cores: int | None = None) -> float:
+    """The GUI thread's budget: tight when the engine computes on the CPU with a thread on every core (the GUI
+    would take time from it), no limit when it runs on a GPU or leaves a core free."""
+    cores = cores or os.cpu_count() or 1
+    return TIGHT_BUDGET if device.startswith("cpu") and engine_threads >= cores else 1.0
+
+
+class TelemetryPump(QObject):
+    """`views` need `append_steps(steps)` and `clear()`; `on_steps(steps, recent)` does the rest of a tick's
+    drawing (metrics, status). `stats()` -> the refresh figures since `reset_stats()`."""
+
+    def __init__(self, drain, views, on_steps, on_restart, interval_ms: int = TICK_MS, parent=None):
+        super().__init__(parent)
+        self._drain, self._views, self._on_steps, self._on_restart = drain, views, on_steps, on_restart
+        self.recent: deque = deque(maxlen=64)   # steps for the metrics strip
+        self._last_step = -1                    # number of the newest step drawn
+        self.budget = 1.0                       # share of a core the GUI thread may use (1.0: no limit)
+        self.interval_ms = float(interval_ms)   # the time between draws, adapted to the budget
+        self._pending: list = []                # drained, not drawn yet
+        self._last_draw = 0.0
+        self._window = (time.perf_counter(), time.thread_time())
+        self.timer = QTimer(self, interval=interval_ms)
+        self.timer.timeout.connect(self.tick)
+        self.reset_stats()
+
+    def set_budget(self, share: float) -> None:
+        """The share of one core the GUI thread may use while steps arrive (1.0 = draw at every tick)."""
+        self.budget = share
+        if share >= 1.0:
+            self.interval_ms = float(self.timer.interval())
+
+    def start(self) -> None:
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
+
+    def reset_stats(self) -> None:
+        self._t0, self._cpu0 = time.perf_counter(), time.thread_time()   # (reset from the GUI thread)
+        self._draw_s: list[float] = []
+        self._steps_drawn = 0
+
+    def stats(self) -> dict:
+        """draws/s, steps drawn, draw time (median and p95, ms), the GUI thread's share of the wall time spent in
+        the pump's drawing (`draw_share`) and in everything it ran (`gui_cpu_share`: painting, layout, the chat's
+        Markdown, ...; call from the GUI thread)."""
+        wall = max(1e-9, time.perf_counter() - self._t0)
+        d = sorted(self._draw_s)
+        pick = (lambda q: 1e3 * d[min(len(d) - 1, int(q * len(d)))]) if d else (lambda q: 0.0)
+        return {"seconds": wall, "draws": len(d), "draws_per_s": len(d) / wall, "steps": self._steps_drawn,
+                "interval_ms": self.interval_ms, "budget": self.budget,
+                "draw_ms_median": pick(0.5), "draw_ms_p95": pick(0.95), "draw_share": sum(d) / wall,
+                "gui_cpu_share": (time.thread_time() - self._cpu0) / wall}
+
+    def tick(self) -> None:
+        """Drain the steps recorded since the last tick; draw them when the draw interval has passed."""
+        self._pending += self._drain()
+        now = time.perf_counter()
+        self._adapt(now)
+        if self._pending and (now - self._last_draw) * 1e3 >= self.interval_ms:
+            self.flush()
+
+    def _adapt(self, now: float) -> None:
+        t0, cpu0 = self._window
+        if now - t0 < ADJUST_S or self.budget >= 1.0:
+            return
+        share = (time.thread_time() - cpu0) / (now - t0)
+        if share > self.budget:
+            self.interval_ms = min(MAX_INTERVAL_MS, self.interval_ms * 2)
+        elif share < self.budget / 3:
+            self.interval_ms = max(self.timer.interval(), self.interval_ms / 2)
+        self._window = (now, time.thread_time())
+
+    def flush(self) -> None:
+        """Draw every step drained so far (each view once).
+
+        A reloaded engine's recorder counts steps from 0 again on its own clock: from its first step on, the views
+        start over (the old engine's steps drained before it are dropped with them)."""
+        steps, self._pending = self._pending + self._drain(), []
+        if not steps:
+            return
+        t = self._last_draw = time.perf_counter()
+        numbers = [self._last_step] + [s.step for s in steps]
+        restart = max((i for i in range(len(steps)) if numbers[i + 1] <= numbers[i]), default=None)
+        if restart is not None:
+            steps = steps[restart:]
+            for view in self._views:
+                view.clear()
+            self.recent.clear()
+            self._on_restart()
+        self._last_step = steps[-1].step
+        self.recent.extend(steps)
+        for view in self._views:
+            view.append_steps(steps)
+        self._on_steps(steps, self.recent)
+        self._draw_s.append(time.perf_counter() - t)
+        self._steps_drawn += len(steps)

@@ -1,0 +1,118 @@
+"""The engine with the app open vs without it, on the same turn: decode and prefill tok/s, and the GUI's refresh.
+
+    python tools/app_overhead.py [--runs 3] [--tokens 128] [--mode gpu] [--json out.json]
+
+Without the app: a fresh process builds the LLM with the app's engine keyword arguments and streams the same chat
+messages (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
+With the app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the
+same question through its chat box. The two alternate, `--runs` each, after one warm-up each; medians are
+reported with the ratio, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
+turns. Both use the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+QUESTION = "Summarise the document in detail, section by section."
+
+ENGINE_ONLY = r"""
+import json, sys
+from app.documents import load_document
+from app.prompt import document_messages
+from engine import LLM, SamplingParams
+cfg = json.loads(sys.argv[1])
+llm = LLM(**cfg["engine"])
+doc = load_document(cfg["document"])
+messages = document_messages(doc.text, cfg["question"], doc.name)
+out = []
+for _ in range(cfg["runs"]):
+    for chunk in llm.stream(messages, SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)):
+        if chunk.stats is not None:
+            out.append(chunk.stats.to_dict())
+print(json.dumps(out))
+"""
+
+
+def engine_only(engine: dict, document: str, tokens: int, runs: int) -> list[dict]:
+    cfg = {"engine": engine, "document": document, "question": QUESTION, "tokens": tokens, "runs": runs}
+    p = subprocess.run([sys.executable, "-c", ENGINE_ONLY, json.dumps(cfg)], cwd=ROOT, capture_output=True,
+                       text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.cli import SAMPLE
+    from app.main_window import MainWindow
+    from app.screenshots import ask_and_wait, wait_until
+
+    app = QApplication.instance() or QApplication([])
+    tmp = Path(tempfile.mkdtemp(prefix="kvscope-overhead-"))
+    win = MainWindow({"settings_path": str(tmp / "kvscope.ini"), "document": str(SAMPLE), "restore": False,
+                      "max_new_tokens": args.tokens})
+    if args.mode:
+        panel = win.policy_panel
+        panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(args.mode))
+    win.resize(1400, 900)
+    win.show()
+    wait_until(app, lambda: bool(win.document_info) and not win.is_busy(), 600, "the model and the document")
+    win.chat.set_sampling({"temperature": 0.0, "max_tokens": args.tokens, "seed": 0})
+    sampling = win.chat.sampling
+    win.chat.sampling = lambda: {**sampling(), "ignore_eos": True}           # the same answer length as without
+    ask_and_wait(app, win, QUESTION, 600)                                      # warm-up (compiles, caches)
+    win.new_chat()
+    engine = dict(win.worker.engine_config)
+    engine_only(engine, str(SAMPLE), args.tokens, 1)                           # warm-up (page cache)
+    with_app, without, refresh = [], [], []
+    for _ in range(args.runs):
+        without += engine_only(engine, str(SAMPLE), args.tokens, 1)
+        win.new_chat()                                                         # the same prompt: no history
+        win.telemetry.reset_stats()
+        with_app.append(ask_and_wait(app, win, QUESTION, 600))
+        refresh.append(win.telemetry.stats())
+    win.close()
+    app.processEvents()
+
+    def med(rows, key):
+        return statistics.median(float(r[key]) for r in rows)
+    result = {"engine": engine, "tokens": args.tokens, "runs": args.runs,
+              "decode_tok_s": {"engine_only": med(without, "decode_tok_s"), "app": med(with_app, "decode_tok_s")},
+              "prefill_tok_s": {"engine_only": med(without, "prefill_tok_s"), "app": med(with_app, "prefill_tok_s")},
+              "completion_tokens": [r["completion_tokens"] for r in with_app + without],
+              "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
+    d = result["decode_tok_s"]
+    result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
+    r = result["refresh"]
+    print(f"decode tok/s: engine only {d['engine_only']:.2f} · app open {d['app']:.2f} · slowdown "
+          f"{100 * result['decode_slowdown']:.1f}% (median of {args.runs}, {args.tokens} tokens)")
+    p = result["prefill_tok_s"]
+    print(f"prefill tok/s: engine only {p['engine_only']:.0f} · app open {p['app']:.0f}")
+    print(f"GUI refresh during a turn: {r['draws_per_s']:.1f} draws/s, {r['steps']:.0f} steps drawn, draw "
+          f"{r['draw_ms_median']:.1f} ms median / {r['draw_ms_p95']:.1f} ms p95; GUI thread busy {100 * r['gui_cpu_share']:.1f}% "
+          f"of the time ({100 * r['draw_share']:.1f}% in the pump's updates)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
