@@ -61,10 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--kv-store", default="default", metavar="DIR",
+                   help="disk KV tier: full KV pages of documents read before are kept here and read back instead "
+                   "of computing their prefill again (default: kvscope/kv in the user cache folder)")
+    c.add_argument("--no-kv-store", action="store_true", help="neither read nor write KV pages on disk")
+    c.add_argument("--kv-store-gb", type=float, default=20.0, help="the disk KV tier's size limit (LRU)")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end (answer + stats)")
     c.add_argument("--trace", type=Path, default=None, help="write what the engine did as a Chrome trace-event "
                    "JSON for Perfetto / chrome://tracing (.json or .json.gz)")
+    k = sub.add_parser("kv-store", help="show or clear the disk KV tier")
+    k.add_argument("action", choices=("show", "clear"))
+    k.add_argument("--dir", default=None, help="the store's folder (default: kvscope/kv in the user cache folder)")
     return p
+
+
+def kv_store_command(args) -> int:
+    """`kv-store show`: pages and bytes per model namespace; `kv-store clear`: delete every page."""
+    from engine.offload.storage import KVStore, PageFormat, default_store_dir
+    root = Path(args.dir) if args.dir else default_store_dir()
+    if not root.is_dir():
+        print(f"{root}: no KV pages stored yet")
+        return 0
+    store = KVStore(root, PageFormat("-", "float32", (1, 2, 1, 1, 1)), 1 << 62)   # any format sees the whole store
+    if args.action == "clear":
+        print(f"{root}: deleted {store.clear() / 2**20:,.1f} MiB of KV pages")
+        return 0
+    pages, nbytes = store.usage()
+    print(f"{root}: {pages} pages, {nbytes / 2**20:,.1f} MiB")
+    for row in store.summary():
+        print(f"  model/format {row['namespace']}: {row['pages']} pages, {row['bytes'] / 2**20:,.1f} MiB")
+    return 0
 
 
 def policy_params(args) -> dict:
@@ -84,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         from app.gui import run
         return run(sys.argv[:1])
     args = build_parser().parse_args(argv)
+    if args.command == "kv-store":
+        return kv_store_command(args)
     if args.command != "chat":
         build_parser().print_help()
         return 2
@@ -126,7 +154,8 @@ def _chat(args) -> int:
               max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
               gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
               prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=args.policy,
-              policy_params=policy_params(args))
+              policy_params=policy_params(args), kv_store=None if args.no_kv_store else args.kv_store,
+              kv_store_gb=args.kv_store_gb)
     messages = document_messages(document.text, question, document.name, args.system)
     answer = []
     stats = None
@@ -145,12 +174,14 @@ def _chat(args) -> int:
                           "dtype": str(llm.dtype).removeprefix("torch."), **stats.to_dict()}, indent=2))
     else:
         print("\n")
-        print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached) · answer {stats.completion_tokens} "
+        disk = f", {stats.disk_cached_tokens} of them from disk" if stats.disk_cached_tokens else ""
+        print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached{disk}) · answer {stats.completion_tokens} "
               f"tok · TTFT {stats.ttft_s:.2f} s · prefill {stats.prefill_tok_s:,.0f} tok/s · decode "
               f"{stats.decode_tok_s:.1f} tok/s · {stats.finish_reason}", file=sys.stderr)
         if args.mode != "gpu":
             print(f"{args.mode}: KV moved host->device {stats.bytes_h2d / 2**20:,.1f} MiB, device->host "
                   f"{stats.bytes_d2h / 2**20:,.1f} MiB", file=sys.stderr)
+    llm.close()                                   # the disk tier's last writes
     if recorder is not None:
         path = write_chrome_trace(list(recorder.steps), args.trace)
         print(f"trace: {len(recorder.steps)} steps written to {path} (open it in https://ui.perfetto.dev)",

@@ -69,7 +69,7 @@ class MainWindow(QMainWindow):
     def __init__(self, config: dict | None = None, parent: QWidget | None = None):
         super().__init__(parent)
         self.options = dict(config or {})
-        self.engine_overrides = dict(self.options.get("engine") or {})
+        self.engine_overrides = {"kv_store": "default", **(self.options.get("engine") or {})}   # disk KV tier on
         path = self.options.get("settings_path")
         self.settings = (QSettings(str(path), QSettings.Format.IniFormat) if path
                          else QSettings("kvscope", "kvscope"))

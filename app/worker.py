@@ -90,6 +90,7 @@ class EngineWorker(QObject):
         check_model(config.get("model"))         # a wrong folder is refused while the loaded engine still runs
         old, previous, self.llm = self.llm, self.engine_config, None
         if old is not None:                       # freed first: two big models may not fit side by side
+            old.close()                           # (its disk tier's writes finish)
             del old
             gc.collect()
         try:

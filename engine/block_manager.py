@@ -121,15 +121,24 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in seq.block_table:  # in order: cached blocks are handed out again in ascending runs
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.used_ids.discard(block_id)
-                if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
-                    self.cached[block_id] = None
-                else:
-                    heapq.heappush(self.clean, block_id)
+            self.release(block_id)
         seq.block_table = []
+
+    def hold(self, block_id: int) -> None:
+        """One more reference to a block in use (the disk tier's writer, until its write is acknowledged)."""
+        assert self.blocks[block_id].ref_count > 0
+        self.blocks[block_id].ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference; at none the block is free (kept findable by the prefix cache when it has a key)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.used_ids.discard(block_id)
+            if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
+                self.cached[block_id] = None
+            else:
+                heapq.heappush(self.clean, block_id)
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the last token (a new block only when the previous one is full)."""

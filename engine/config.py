@@ -34,6 +34,8 @@ class EngineConfig:
     policy_params: dict = field(default_factory=dict)  # e.g. {"token_budget": 2048, "page_size": 32}
     enforce_eager: bool = False         # True = no CUDA graphs for decode
     torch_threads: int | None = None    # CPU threads for torch; None = torch's default
+    kv_store: str | None = None         # disk KV tier: a folder ("default" = the user cache's kvscope/kv); None = off
+    kv_store_gb: float = 20.0           # its size limit (least recently used pages go first)
     seed: int = 0                       # for random weights (--shape)
     extra: dict = field(default_factory=dict)
 

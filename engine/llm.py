@@ -37,6 +37,7 @@ class GenerationStats:
     finish_reason: str          # stop | length | cancelled
     bytes_h2d: int = 0          # KV bytes moved host -> device for this request (offload modes)
     bytes_d2h: int = 0          # KV bytes moved device -> host
+    disk_cached_tokens: int = 0  # of the cached tokens, those read from the disk tier
     policy_stats: dict = field(default_factory=dict)  # the sparse policy's figures (density, pages selected, ...)
 
     def to_dict(self) -> dict:
@@ -98,6 +99,7 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self._eos_ids(), self.max_model_len)
+        self.tier = self._open_tier()
         if rec.enabled:
             rec.end_step(self._memory_metrics())
         self.plan = getattr(self.runner, "plan", None)   # layerwise: which layers stay on the device
@@ -116,6 +118,30 @@ class LLM:
         self.runner.set_policy(policy)
         self.block_manager.forget_cached()
         self.config.policy, self.config.policy_params = name, dict(params or {})
+        if self.tier is not None and self.tier.fmt.model_id != self._kv_identity():
+            self.tier.close()                  # sparse prefill KV is not dense KV: pages of another namespace
+            self.tier = self._open_tier()
+
+    def _kv_identity(self) -> str:
+        from engine.offload.tier import model_identity
+        cfg = self.config
+        return model_identity(self.model_dir, f"{self.model_name}, seed {cfg.seed}" if self.model_dir is None else "",
+                              cfg.policy, cfg.policy_params, self.runner.policy.supports_prefill)
+
+    def _open_tier(self):
+        """The disk KV tier (config.kv_store), or None."""
+        if not self.config.kv_store:
+            return None
+        from engine.offload.storage import default_store_dir
+        from engine.offload.tier import open_tier
+        root = default_store_dir() if self.config.kv_store == "default" else self.config.kv_store
+        return open_tier(root, self.config.kv_store_gb, self.runner, self.block_manager, self._kv_identity(),
+                         self.dtype, lambda: self._recorder)
+
+    def close(self) -> None:
+        """Finish the disk tier's writes (the engine is usable no more for storing pages)."""
+        if self.tier is not None:
+            self.tier.close()
 
     @property
     def recorder(self) -> Recorder:
@@ -194,10 +220,18 @@ class LLM:
         for s in seqs:
             if is_prefill and s.t_prefill_start is None:
                 s.t_prefill_start = t0
-        rec = self._recorder
+        rec, tier = self._recorder, self.tier
+        reads = []
+        if tier is not None and is_prefill:      # pages on disk: read, not computed
+            reads = [tier.fill(s) for s in seqs if not s.disk_checked]
+            for s in seqs:
+                s.disk_checked = True
         if rec.enabled:
             computed = sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
             rec.begin_step(PREFILL if is_prefill else DECODE, computed)
+            for span in reads:
+                if span is not None:
+                    rec.add_span(span)
         task = self.runner.model.task
         if task is not None:
             task.prefill = is_prefill
@@ -224,10 +258,17 @@ class LLM:
         finally:
             if rec.enabled:  # on CUDA its events are read while the GPU runs the next step
                 rec.end_step(self._step_metrics(seqs, is_prefill), defer=self.device.type == "cuda")
+        if tier is not None:                     # full blocks not on disk yet: to the background writer
+            for s in seqs:
+                tier.write_back(s)
         self.scheduler.postprocess(seqs, tokens)
         for s in seqs:
             if s.is_finished:
                 self.runner.sampler.forget(s.seq_id)
+                if tier is not None:
+                    tier.forget(s)
+        if tier is not None:
+            tier.poll()
         return seqs
 
     def _step_metrics(self, seqs: list[Sequence], is_prefill: bool) -> dict:
@@ -239,6 +280,9 @@ class LLM:
         if is_prefill:
             m["prompt_tokens"] = sum(len(s) for s in seqs)
             m["cached_tokens"] = sum(s.num_cached_tokens for s in seqs)
+            m["disk_cached_tokens"] = sum(s.disk_cached_tokens for s in seqs)
+        if self.tier is not None:
+            m.update(self.tier.metrics())
         else:
             m["decode_tokens"] = len(seqs)
         m.update(self._memory_metrics())
@@ -342,7 +386,8 @@ def _stats(seq: Sequence, policy: dict) -> GenerationStats:
         prefill_tok_s=computed / prefill_s if prefill_s > 0 else 0.0,
         decode_tok_s=decode_n / (end - first) if decode_n > 0 and end > first else 0.0,
         total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled",
-        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, policy_stats=policy)
+        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, disk_cached_tokens=seq.disk_cached_tokens,
+        policy_stats=policy)
 
 
 def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, rec: Recorder):

@@ -130,6 +130,19 @@ class ModelRunner:
             layer.self_attn.attn.v_cache = self.kv_cache[1, i].transpose(1, 2)
         return num_blocks
 
+    # ---------------------------------------------------------------- the disk tier's view of the KV
+    def kv_block(self, block_id: int) -> torch.Tensor:
+        """One block's KV across the layers, [L, 2, Hkv, bs, D] (a view into the cache)."""
+        return self.kv_cache[:, :, block_id].transpose(0, 1)
+
+    def kv_written(self, block_ids: list[int]) -> None:
+        """Blocks filled from outside the model (the disk tier): nothing to invalidate in gpu mode."""
+
+    def kv_sync(self) -> None:
+        """The KV computed so far is in memory (before a reader on another thread copies it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _blocks_that_fit_on_gpu(self) -> int:
         """Measure peak activations with one full-size prefill (no KV yet), then size the cache from what is left."""
         torch.cuda.empty_cache()

@@ -23,6 +23,8 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0          # prompt tokens whose KV came from the prefix cache
+        self.disk_cached_tokens = 0         # ... of them read from the disk tier
+        self.disk_checked = False           # the disk tier has looked for this prompt's pages
         self.block_table: list[int] = []
         self.block_size = block_size
         self.params = params

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# The disk KV tier of the CLI (on by default) writes here, never into the user's cache (subprocesses inherit it)
+os.environ["KVSCOPE_KV_STORE"] = tempfile.mkdtemp(prefix="kvscope-test-kv-")
 
 
 @pytest.fixture(scope="session")

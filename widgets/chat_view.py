@@ -34,7 +34,8 @@ def format_stats(stats: dict | None) -> str:
     if "prompt_tokens" in stats:
         parts.append(f"prompt {stats['prompt_tokens']:,} tok")
     if "cached_tokens" in stats:
-        parts.append(f"cached {stats['cached_tokens']:,}")
+        disk = stats.get("disk_cached_tokens") or 0
+        parts.append(f"cached {stats['cached_tokens']:,}" + (f" ({disk:,} from disk)" if disk else ""))
     if "completion_tokens" in stats:
         parts.append(f"answer {stats['completion_tokens']:,} tok")
     if stats.get("ttft_s") is not None:

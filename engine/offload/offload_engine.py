@@ -235,6 +235,13 @@ class OffloadEngine:
         if rec.enabled and buf < self.ring_slots:
             rec.slot_state(buf, layer, FREE, tokens, self.capacity_tokens)
 
+    def host_written(self, host_blocks: list[int]) -> None:
+        """These host blocks were written from outside (the disk tier): a buffer holding an older version of one
+        of them loads it again."""
+        for b in host_blocks:
+            for layer in range(self.L):
+                self.version[(layer, b)] = self.version.get((layer, b), 0) + 1
+
     def synchronize(self) -> None:
         """Wait for every copy issued so far (both directions)."""
         self.h2d.synchronize()

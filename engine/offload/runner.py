@@ -131,6 +131,19 @@ class OffloadRunner:
     def forward(self, seq: Sequence, is_prefill: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    # ---------------------------------------------------------------- the disk tier's view of the KV
+    def kv_block(self, block_id: int) -> torch.Tensor:
+        """One host block across the layers, [L, 2, Hkv, bs, D] (a view into the host pool)."""
+        return self.oe.host[:, block_id]
+
+    def kv_written(self, block_ids: list[int]) -> None:
+        """Host blocks filled from outside (the disk tier): device copies of their old contents are stale."""
+        self.oe.host_written(block_ids)
+
+    def kv_sync(self) -> None:
+        """Every offload issued so far has landed in the host pool."""
+        self.oe.synchronize()
+
     def step_metrics(self) -> dict:
         return {"bytes_h2d": self.last_step_bytes[0], "bytes_d2h": self.last_step_bytes[1]}
 

@@ -34,6 +34,29 @@ def test_chat_json_end_to_end_in_a_fresh_process(default_model_dir, tmp_path):
     assert result["prompt_tokens"] > 20 and result["device"] == "cpu"
 
 
+def test_a_second_run_reads_the_document_from_the_disk_tier(capsys, default_model_dir, tmp_path):
+    """Two processes, one after the other: the second finds the sample's KV pages on disk, computes only the rest
+    of its prompt, and answers the same (greedy). Then `kv-store show` and `kv-store clear`."""
+    store = tmp_path / "kv"
+
+    def chat():
+        proc = subprocess.run([sys.executable, "main.py", "chat", "--max-new-tokens", "8", "--json", "--model",
+                               str(default_model_dir), "--kv-store", str(store), "--max-model-len", "8192"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+    first, second = chat(), chat()
+    assert first["disk_cached_tokens"] == 0 and first["prompt_tokens"] > 5000
+    assert second["disk_cached_tokens"] == second["cached_tokens"] >= first["prompt_tokens"] - 256
+    assert second["answer"] == first["answer"] and second["ttft_s"] < first["ttft_s"]
+    assert main(["kv-store", "show", "--dir", str(store)]) == 0
+    out = capsys.readouterr().out
+    pages = (first["prompt_tokens"] + first["completion_tokens"] - 1) // 256     # full blocks with KV
+    assert f"{pages} pages" in out and "model/format" in out
+    assert main(["kv-store", "clear", "--dir", str(store)]) == 0
+    assert "deleted" in capsys.readouterr().out and not list(store.glob("*/*/*.kvp"))
+
+
 def test_streams_the_answer_and_prints_stats(capsys, default_model_dir):
     code, out, err = run_cli(capsys, "--document", str(SAMPLE), "--ask", "In which city is the Halvorsen lab based?",
                              "--max-new-tokens", "24", "--model", str(default_model_dir))

@@ -65,7 +65,10 @@ def test_stats_line_shows_the_numbers(chat):
     chat.begin_answer()
     chat.end_answer(dict(STATS, bytes_h2d=0, bytes_d2h=0, finish_reason="cancelled"))
     line = chat.message_widget(-1).stats_label.text()
-    assert "MiB" not in line and "cancelled" in line
+    assert "MiB" not in line and "cancelled" in line and "from disk" not in line
+    chat.begin_answer()
+    chat.end_answer(dict(STATS, disk_cached_tokens=768))         # the disk tier supplied part of the cache
+    assert "cached 1,024 (768 from disk)" in chat.message_widget(-1).stats_label.text()
 
 
 def test_enter_sends_and_clears_shift_enter_does_not(chat, qtbot):
