@@ -211,21 +211,29 @@ class KVStore:
                 return True
         return os.path.isfile(path)
 
-    def read(self, key: str, out: torch.Tensor) -> bool:
-        """Fill out (any device, any strides) with the page; False, out untouched, when it is missing or bad."""
-        self._check(out, "read target")
+    def fetch(self, key: str) -> torch.Tensor | None:
+        """The page as a CPU tensor, verified; None when it is missing or bad (a bad file is deleted). Marks the
+        page used. Safe to call from several threads at once (reads in parallel reach the disk's bandwidth)."""
         path = self._path(key)
         buf = self._load(path, key)
         if buf is None:
             with self._lock:
                 self._bytes -= self._index.pop(path, 0)
-            return False
-        out.copy_(torch.from_numpy(buf[-self.fmt.nbytes:]).view(self.fmt.torch_dtype).view(self.fmt.layout))
-        with contextlib.suppress(OSError):  # fails only when evicted meanwhile; the copy is still good
+            return None
+        with contextlib.suppress(OSError):  # fails only when evicted meanwhile; the data is still good
             os.utime(path)  # the access time that orders eviction, also after a restart
             with self._lock:  # now the most recently used (also a page another process wrote)
                 self._bytes += len(buf) - self._index.pop(path, 0)
                 self._index[path] = len(buf)
+        return torch.from_numpy(buf[-self.fmt.nbytes:]).view(self.fmt.torch_dtype).view(self.fmt.layout)
+
+    def read(self, key: str, out: torch.Tensor) -> bool:
+        """Fill out (any device, any strides) with the page; False, out untouched, when it is missing or bad."""
+        self._check(out, "read target")
+        page = self.fetch(key)
+        if page is None:
+            return False
+        out.copy_(page)
         return True
 
     def write(self, key: str, page: torch.Tensor) -> bool:

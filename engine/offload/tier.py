@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from engine.sequence import Sequence
 from engine.trace.events import HOST, Span
 
 _SAMPLE = 1 << 20   # bytes hashed from each end of a weight file
+READERS = 8         # pages read (and checksummed) in parallel
 
 
 def model_identity(model_dir: Path | None, name: str, policy: str, params: dict, sparse_prefill: bool) -> str:
@@ -83,11 +86,19 @@ class DiskTier:
         keys = self._keys_for(seq, last)
         rec = self._recorder_of()
         t0, us0 = time.perf_counter(), rec.now_us() if rec.enabled else 0.0
-        n = 0
-        for i in range(first, last):
-            if not self.store.contains(keys[i]) or not self.store.read(keys[i], self.runner.kv_block(seq.block_table[i])):
-                break
-            n += 1
+        n, nxt, ahead = 0, first, deque()
+        with ThreadPoolExecutor(READERS) as pool:   # reads and checksums run ahead in parallel; copies in order
+            while True:
+                while nxt < last and len(ahead) < 2 * READERS and self.store.contains(keys[nxt]):
+                    ahead.append(pool.submit(self.store.fetch, keys[nxt]))
+                    nxt += 1
+                page = ahead.popleft().result() if ahead else None
+                if page is None:                     # missing or bad: the rest of the prompt is computed
+                    break
+                self.runner.kv_block(seq.block_table[first + n]).copy_(page)
+                n += 1
+            for f in ahead:
+                f.cancel()
         if n:
             self.runner.kv_written(seq.block_table[first:first + n])
             seq.num_cached_tokens += n * bs

@@ -99,6 +99,9 @@ def test_page_format():
 
 
 def test_default_store_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSCOPE_KV_STORE", str(tmp_path / "elsewhere"))      # the override (tests use it)
+    assert default_store_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv("KVSCOPE_KV_STORE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_store_dir() == tmp_path / "kvscope" / "kv"
     monkeypatch.setenv("XDG_CACHE_HOME", "")
