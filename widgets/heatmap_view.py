@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt
-from PySide6.QtWidgets import QLabel, QStackedLayout, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QStackedLayout, QVBoxLayout, QWidget
 
 from widgets.export import add_export_actions
 from widgets.trace_common import show_hover
@@ -30,14 +30,21 @@ class HeatmapView(QWidget):
         self.plot.addItem(self.img)
         self.export_actions = add_export_actions(self.plot, export_name)
 
-    def _layout(self, controls, *below: QWidget, hint: str) -> None:
-        """Controls, caption, plot and `below` in a column; the hint in its place until `_show_plot(True)`."""
+    def _layout(self, controls, *below: QWidget, hint: str, side: QWidget | None = None) -> None:
+        """Controls, caption, plot (with `side` at its right) and `below` in a column; the hint in its place until
+        `_show_plot(True)`."""
         content = QWidget()
         col = QVBoxLayout(content)
         col.setContentsMargins(0, 0, 0, 0)
         col.addLayout(controls)
         col.addWidget(self.caption)
-        col.addWidget(self.plot, 1)
+        if side is None:
+            col.addWidget(self.plot, 1)
+        else:
+            row = QHBoxLayout()
+            row.addWidget(self.plot, 3)
+            row.addWidget(side, 1)
+            col.addLayout(row, 1)
         for w in below:
             col.addWidget(w)
         self.hint_label = QLabel(hint, alignment=Qt.AlignmentFlag.AlignCenter)

@@ -5,7 +5,7 @@ positions (top to bottom), columns = key positions, binned to at most 256 x 256 
 mask_pattern.py). A cell's colour is the share of its causal pairs that were computed (any computed pair shows at
 least LOW, so a lone vertical line stays visible); the upper triangle is never computed and stays empty, and so do
 the rows of prompt tokens that came from the prefix cache. One query head, or the mean of the heads. Below the
-mask, a small layers × heads grid gives each head's recorded density (click a cell to show that layer and head).
+mask, a small layers × heads grid at its right gives each head's recorded density (click a cell to show that layer and head).
 The newest prefill with masks is shown; a chooser goes back to earlier ones.
 
 Binning a mask takes ~15 ms per head (the mean of the heads: all of them), so with `threaded=True` (the app) it
@@ -74,11 +74,12 @@ class MaskView(HeatmapView):
                                                                    # a flat dock would shrink a square mask
         self.grid = pg.PlotWidget()            # density per head: layers (x) × heads (y, the first on top)
         self.grid.hideButtons()
-        self.grid.setFixedHeight(110)
+        self.grid.setMinimumWidth(160)
         self.grid.setMouseEnabled(x=False, y=False)
         grid_item = self.grid.getPlotItem()
         grid_item.setLabel("left", "head")
-        grid_item.setLabel("bottom", "layer · density per head")
+        grid_item.setLabel("bottom", "layer")
+        grid_item.setTitle("density per head", size="9pt")
         grid_item.getViewBox().invertY(True)
         self.grid_img = pg.ImageItem(axisOrder="row-major")
         self.grid_img.setLevels([0, 255])
@@ -93,7 +94,7 @@ class MaskView(HeatmapView):
             controls.addWidget(QLabel(label))
             controls.addWidget(combo)
         controls.addStretch(1)
-        self._layout(controls, self.grid, hint=NO_MASKS_HINT)
+        self._layout(controls, hint=NO_MASKS_HINT, side=self.grid)
 
         self.prefill_combo.currentIndexChanged.connect(self._on_prefill_chosen)
         self.layer_combo.currentIndexChanged.connect(lambda *_: self._redraw())

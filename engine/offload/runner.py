@@ -137,8 +137,16 @@ class OffloadRunner:
         return self.oe.host[:, block_id]
 
     def kv_written(self, block_ids: list[int]) -> None:
-        """Host blocks filled from outside (the disk tier): device copies of their old contents are stale."""
+        """Host blocks filled from outside (the disk tier): device copies of their old contents are stale, and
+        Quest's key bounds of those blocks are made from their keys, as an offload after prefill makes them."""
         self.oe.host_written(block_ids)
+        quest = self._quest
+        if quest is not None and block_ids:
+            idx = torch.tensor(block_ids, device=self.oe.host.device)
+            for layer in range(self.args.num_layers):
+                keys = self.oe.host[layer, idx, 0].to(self.device)          # [n, Hkv, bs, D]
+                for b, k in zip(block_ids, keys):
+                    quest.on_prefill_offload(b, layer, k, self.block_size)
 
     def kv_sync(self) -> None:
         """Every offload issued so far has landed in the host pool."""

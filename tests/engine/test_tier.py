@@ -90,6 +90,22 @@ def test_pages_of_another_prefill_policy_are_never_read(default_model_dir, tmp_p
     quest.close()
 
 
+def test_quest_on_kv_from_disk_picks_as_on_kv_it_computed(default_model_dir, tmp_path):
+    """Quest's key bounds of blocks read from disk are made from their keys: its sparse decode (256-token budget
+    over ~700 tokens) answers as with the same blocks from the in-memory prefix cache."""
+    quest = {"policy": "quest", "policy_params": {"token_budget": 256, "page_size": 16, "dense_layers": 2}}
+    llm = _llm(default_model_dir, tmp_path, mode="layerwise", **quest)
+    _run(llm)
+    memory_hit, _ = _run(llm)
+    assert memory_hit.stats.cached_tokens == 640 and memory_hit.stats.disk_cached_tokens == 0
+    assert llm.runner.policy.selections > 0                       # sparse: it chose pages
+    llm.close()
+    again = _llm(default_model_dir, tmp_path, mode="layerwise", **quest)
+    read, _ = _run(again)
+    assert read.stats.disk_cached_tokens == 640 and read.token_ids == memory_hit.token_ids
+    again.close()
+
+
 def test_the_size_limit_holds_under_many_documents(default_model_dir, tmp_path):
     llm = _llm(default_model_dir, tmp_path, kv_store_gb=0.02)    # room for 7 pages of 2.9 MiB
     for d in range(5):                                            # 4 pages each
