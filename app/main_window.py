@@ -3,7 +3,8 @@
 The window owns one `EngineWorker` on one long-lived `QThread` (DESIGN.md §3). Requests go to the worker
 through the window's own signals, connected queued to the worker's slots, so they run in the order they were
 made (a config change reloads the model before the question that follows it). Answers come back as signals;
-engine steps are drained by a ~30 Hz timer and drawn once per tick. Stop is the worker's thread-safe `stop()`.
+engine steps are drained by the telemetry pump (app/telemetry.py: ~30 Hz, less often under its GUI budget) and
+drawn once per draw. Stop is the worker's thread-safe `stop()`.
 
     win = MainWindow(config={"settings_path": "/tmp/kvscope.ini", "document": "notes.md",
                              "engine": {"max_model_len": 2048}, "max_new_tokens": 64})

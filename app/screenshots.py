@@ -9,6 +9,7 @@ settings are not touched.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("kvscope")
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ["KVSCOPE_KV_STORE"] = str(Path(tmp) / "kv")   # a fresh disk KV tier: each shot computes its prefill
         window = MainWindow({"settings_path": str(Path(tmp) / "kvscope.ini"), "document": str(SAMPLE),
                              "max_new_tokens": args.max_new_tokens, "restore": False})
         width, height = (int(v) for v in args.size.lower().split("x"))

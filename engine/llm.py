@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.model_runner import ModelRunner
+from engine.offload.tier import kv_identity, open_tier
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config, shape_config
 from engine.sampling import SamplingParams
@@ -99,7 +100,7 @@ class LLM:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self._eos_ids(), self.max_model_len)
-        self.tier = self._open_tier()
+        self.tier = open_tier(self)            # the disk KV tier (config.kv_store), or None
         if rec.enabled:
             rec.end_step(self._memory_metrics())
         self.plan = getattr(self.runner, "plan", None)   # layerwise: which layers stay on the device
@@ -118,25 +119,9 @@ class LLM:
         self.runner.set_policy(policy)
         self.block_manager.forget_cached()
         self.config.policy, self.config.policy_params = name, dict(params or {})
-        if self.tier is not None and self.tier.fmt.model_id != self._kv_identity():
+        if self.tier is not None and self.tier.fmt.model_id != kv_identity(self):
             self.tier.close()                  # sparse prefill KV is not dense KV: pages of another namespace
-            self.tier = self._open_tier()
-
-    def _kv_identity(self) -> str:
-        from engine.offload.tier import model_identity
-        cfg = self.config
-        return model_identity(self.model_dir, f"{self.model_name}, seed {cfg.seed}" if self.model_dir is None else "",
-                              cfg.policy, cfg.policy_params, self.runner.policy.supports_prefill)
-
-    def _open_tier(self):
-        """The disk KV tier (config.kv_store), or None."""
-        if not self.config.kv_store:
-            return None
-        from engine.offload.storage import default_store_dir
-        from engine.offload.tier import open_tier
-        root = default_store_dir() if self.config.kv_store == "default" else self.config.kv_store
-        return open_tier(root, self.config.kv_store_gb, self.runner, self.block_manager, self._kv_identity(),
-                         self.dtype, lambda: self._recorder)
+            self.tier = open_tier(self)
 
     def close(self) -> None:
         """Finish the disk tier's writes (the engine is usable no more for storing pages)."""
@@ -281,10 +266,10 @@ class LLM:
             m["prompt_tokens"] = sum(len(s) for s in seqs)
             m["cached_tokens"] = sum(s.num_cached_tokens for s in seqs)
             m["disk_cached_tokens"] = sum(s.disk_cached_tokens for s in seqs)
-        if self.tier is not None:
-            m.update(self.tier.metrics())
         else:
             m["decode_tokens"] = len(seqs)
+        if self.tier is not None:
+            m.update(self.tier.metrics())
         m.update(self._memory_metrics())
         return m
 

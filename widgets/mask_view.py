@@ -320,7 +320,7 @@ class MaskView(HeatmapView):
         self.grid_img.setRect(QRectF(-0.5, -0.5, len(p.layers), p.n_heads))
         self.grid.setXRange(-0.5, len(p.layers) - 0.5, padding=0)
         self.grid.setYRange(-0.5, p.n_heads - 0.5, padding=0)
-        every = max(1, len(p.layers) // 12)
+        every = max(1, -(-len(p.layers) // 4))                 # a narrow grid: about four labels
         self.grid.getPlotItem().getAxis("bottom").setTicks(
             [[(i, str(layer)) for i, layer in enumerate(p.layers) if i % every == 0], []])
         x = p.layers.index(self.layer()) if self.layer() in p.layers else 0

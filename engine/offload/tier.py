@@ -24,10 +24,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 import xxhash
 
-from engine.offload.storage import KVStore, PageFormat, StoreWriter, chain_keys
+from engine.offload.storage import KVStore, PageFormat, StoreWriter, chain_keys, default_store_dir
 from engine.sequence import Sequence
 from engine.trace.events import HOST, Span
 
@@ -155,9 +154,21 @@ class DiskTier:
         self.store.close()
 
 
-def open_tier(root: str | Path, limit_gb: float, runner, block_manager, model_id: str, dtype: torch.dtype,
-              recorder_of) -> DiskTier:
-    a = runner.args
-    fmt = PageFormat(model_id, str(dtype).removeprefix("torch."),
+def kv_identity(llm) -> str:
+    """The namespace identity of an engine's KV: its model, and its policy where that changes prefill KV."""
+    cfg = llm.config
+    name = f"{llm.model_name}, seed {cfg.seed}" if llm.model_dir is None else ""
+    return model_identity(llm.model_dir, name, cfg.policy, cfg.policy_params, llm.runner.policy.supports_prefill)
+
+
+def open_tier(llm) -> DiskTier | None:
+    """The disk KV tier of an engine (config.kv_store: a folder, "default" = default_store_dir()), or None."""
+    cfg = llm.config
+    if not cfg.kv_store:
+        return None
+    a, runner = llm.args, llm.runner
+    fmt = PageFormat(kv_identity(llm), str(llm.dtype).removeprefix("torch."),
                      (a.num_layers, 2, a.num_kv_heads, runner.block_size, a.head_dim))
-    return DiskTier(KVStore(root, fmt, int(limit_gb * 2**30)), runner, block_manager, recorder_of)
+    root = default_store_dir() if cfg.kv_store == "default" else cfg.kv_store
+    return DiskTier(KVStore(root, fmt, int(cfg.kv_store_gb * 2**30)), runner, llm.block_manager,
+                    lambda: llm.recorder)

@@ -39,6 +39,9 @@ def test_kv_read_from_disk_answers_as_prefill_does(default_model_dir, tmp_path, 
     disk = [sp for sp in prefill.spans if sp.name == "disk read"]
     assert len(disk) == 1 and disk[0].bytes == 10 * again.tier.fmt.nbytes and disk[0].args["pages"] == 10
     assert prefill.n_tokens == 60 and prefill.metrics["disk_cached_tokens"] == 640
+    assert "decode_tokens" not in prefill.metrics and prefill.metrics["disk_pages"] == 11
+    decode = [s for s in steps if s.phase == "decode"]
+    assert decode and all(s.metrics["decode_tokens"] == 1 and "disk_pages" in s.metrics for s in decode)
     again.close()
 
 
