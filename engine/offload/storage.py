@@ -318,13 +318,14 @@ class StoreWriter:
     the tag. Every tag comes back exactly once: written, already on disk, or not written (store off, error).
     """
 
-    def __init__(self, store: KVStore, max_pending: int = 256):
+    def __init__(self, store: KVStore, max_pending: int = 256):   # max_pending 0: unbounded
         self.store = store
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._done = threading.Condition()  # guards _acks, _pending, _closed
         self._acks: list = []
         self._pending = 0
         self._closed = False
+        self._stream = None  # the writer's CUDA stream, made at the first device page
         self._thread = threading.Thread(target=self._run, name="kvscope-kv-writer", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # queued pages still reach the disk at interpreter exit
@@ -354,11 +355,20 @@ class StoreWriter:
         while (item := self._queue.get()) is not None:
             key, page, tag = item
             try:
-                self.store.write(key, page)
+                with self._side_stream(page):    # a device page's copy out does not queue behind the engine's kernels
+                    self.store.write(key, page)
             except Exception as e:  # noqa: BLE001 - a bad page must not stall the engine: it is still acked
                 warnings.warn(f"KV page store: page {key} was not written ({e})", stacklevel=1)
             item = page = None  # the caller may reuse the memory once acknowledged
             self._ack(tag)
+
+    def _side_stream(self, page: torch.Tensor):
+        """A CUDA page is copied to the host on the writer's own stream (the caller synchronised before submit)."""
+        if not page.is_cuda:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=page.device)
+        return torch.cuda.stream(self._stream)
 
     def acks(self) -> list:
         """Tags whose writes finished since the last call (non-blocking)."""

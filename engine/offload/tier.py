@@ -55,7 +55,7 @@ def model_identity(model_dir: Path | None, name: str, policy: str, params: dict,
 class DiskTier:
     def __init__(self, store: KVStore, runner, block_manager, recorder_of):
         self.store, self.runner, self.bm = store, runner, block_manager
-        self.writer = StoreWriter(store)
+        self.writer = StoreWriter(store, max_pending=0)   # unbounded: a submit never makes the engine wait
         self._recorder_of = recorder_of      # -> the engine's current recorder
         self._keys: dict[int, list[str]] = {}     # seq id -> keys of its full blocks so far
         self._written: dict[int, int] = {}        # seq id -> full blocks handed to the writer
