@@ -29,7 +29,7 @@ from app.cli import SAMPLE
 from app.quest_highlight import QuestHighlight
 from app.settings import restore_settings, save_settings
 from app.status import StatusBar
-from app.telemetry import TelemetryPump, gui_budget
+from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.worker import EngineWorker
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES, DocumentPanel
@@ -285,7 +285,9 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_model_ready(self, info: dict) -> None:
         self.model_info = dict(info)
-        self.telemetry.set_budget(gui_budget(info.get("device", ""), int(info.get("threads", 1))))
+        budget = gui_budget(info.get("device", ""), int(info.get("threads", 1)))
+        self.telemetry.set_budget(budget)         # the views, and the streaming answer's re-render, yield the CPU
+        self.chat.set_min_render_ms(TIGHT_RENDER_MS if budget < 1 else ChatView.MIN_RENDER_MS)
         self.status.set_model(info)
         self.ring.set_mode(info.get("mode"))
         if info.get("policy") in POLICIES:                  # what the engine runs (the panel may be ahead of it)

@@ -22,6 +22,7 @@ ADJUST_S = 1.0          # how often the draw interval is adapted to the budget
 
 
 TIGHT_BUDGET = 0.05     # the GUI's share of a core when the engine computes on every core
+TIGHT_RENDER_MS = 250   # ... and how often the streaming answer is re-rendered then
 
 
 def gui_budget(device: str, engine_threads: int, cores: int | None = None) -> float:
@@ -88,7 +89,7 @@ class TelemetryPump(QObject):
 
     def _adapt(self, now: float) -> None:
         t0, cpu0 = self._window
-        if now - t0 < ADJUST_S or self.budget >= 1.0:
+        if now - t0 < max(ADJUST_S, 2 * self.interval_ms / 1e3) or self.budget >= 1.0:   # a window holds draws
             return
         share = (time.thread_time() - cpu0) / (now - t0)
         if share > self.budget:

@@ -186,6 +186,7 @@ class ChatView(QWidget):
         self._widgets: list[MessageWidget] = []
         self._streaming = False
         self._stick_to_bottom = True
+        self._min_render_ms = self.MIN_RENDER_MS
         self._render_timer = QTimer(self, singleShot=True, interval=self.MIN_RENDER_MS)
         self._render_timer.timeout.connect(self._render_answer)
 
@@ -358,7 +359,12 @@ class ChatView(QWidget):
         t0 = time.perf_counter()
         self._widgets[-1].set_text(self._messages[-1]["text"])
         spent_ms = (time.perf_counter() - t0) * 1000
-        self._render_timer.setInterval(int(min(self.MAX_RENDER_MS, max(self.MIN_RENDER_MS, 2 * spent_ms))))
+        self._render_timer.setInterval(int(min(self.MAX_RENDER_MS, max(self._min_render_ms, 2 * spent_ms))))
+
+    def set_min_render_ms(self, ms: int) -> None:
+        """Re-render a streaming answer at most every `ms` (the window raises it when the engine needs the CPU)."""
+        self._min_render_ms = max(1, int(ms))
+        self._render_timer.setInterval(max(self._render_timer.interval(), self._min_render_ms))
 
     def _on_scrolled(self, value: int) -> None:
         """Follow new text only while the user is at the bottom (scrolling up to read stops following)."""

@@ -1,0 +1,48 @@
+"""The telemetry pump: it coalesces the engine's steps, never drops one, and draws less often when drawing costs
+more of the GUI thread than its budget (the engine needs those cycles on a small CPU)."""
+import time
+from types import SimpleNamespace
+
+from app import telemetry
+from app.telemetry import TIGHT_BUDGET, TelemetryPump, gui_budget
+
+
+def test_the_budget_is_tight_only_when_the_engine_computes_on_every_core():
+    assert gui_budget("cpu", 2, cores=2) == TIGHT_BUDGET
+    assert gui_budget("cpu", 3, cores=4) == 1.0          # a core to spare
+    assert gui_budget("cuda:0", 16, cores=16) == 1.0     # the GPU computes
+
+
+def _pump(cost_s: float, budget: float):
+    numbers = iter(range(10**6))
+    drawn = []
+
+    def draw(steps, recent):
+        t = time.thread_time()
+        while time.thread_time() - t < cost_s:           # a draw that costs GUI-thread CPU
+            pass
+        drawn.extend(s.step for s in steps)
+    pump = TelemetryPump(lambda: [SimpleNamespace(step=next(numbers))], (), draw, lambda: None)
+    pump.set_budget(budget)
+    return pump, drawn
+
+
+def test_costly_draws_are_spaced_out_and_no_step_is_lost(qapp, monkeypatch):
+    monkeypatch.setattr(telemetry, "ADJUST_S", 0.1)
+    pump, drawn = _pump(cost_s=0.01, budget=0.05)       # 10 ms a draw, 5% of a core: at most ~5 draws a second
+    for _ in range(150):
+        pump.tick()
+        time.sleep(0.005)
+    pump.flush()
+    assert pump.interval_ms >= 4 * telemetry.TICK_MS                 # (settles at 8x: 10 ms / 264 ms < 5%)
+    assert drawn == list(range(len(drawn))) and len(drawn) > 150       # every drained step, in order, once
+    stats = pump.stats()
+    assert stats["draws"] < 60 and stats["steps"] == len(drawn)
+
+
+def test_without_a_budget_every_tick_with_steps_draws(qapp):
+    pump, drawn = _pump(cost_s=0.0, budget=1.0)
+    for _ in range(20):
+        pump.tick()
+        time.sleep(telemetry.TICK_MS / 1000)
+    assert pump.interval_ms == telemetry.TICK_MS and pump.stats()["draws"] == 20 and len(drawn) >= 20
