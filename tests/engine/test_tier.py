@@ -24,7 +24,7 @@ def _run(llm, prompt=PROMPT, params=GREEDY):
     return out, list(rec.steps)
 
 
-@pytest.mark.parametrize("mode", ["gpu", "layerwise"])
+@pytest.mark.parametrize("mode", ["gpu", "layerwise", "chunked"])
 def test_kv_read_from_disk_answers_as_prefill_does(default_model_dir, tmp_path, mode):
     first = _llm(default_model_dir, tmp_path, mode)
     computed, _ = _run(first)
