@@ -59,8 +59,7 @@ class DiskTier:
         self._recorder_of = recorder_of      # -> the engine's current recorder
         self._keys: dict[int, list[str]] = {}     # seq id -> keys of its full blocks so far
         self._written: dict[int, int] = {}        # seq id -> full blocks handed to the writer
-        self.hit_tokens = self.read_bytes = self.written_pages = 0
-        self.read_s = 0.0
+        self.read_bytes, self.read_s = 0, 0.0     # what fill() read, and how long it took (tools/disk_tier_ttft.py)
 
     @property
     def fmt(self) -> PageFormat:
@@ -102,7 +101,6 @@ class DiskTier:
             self.runner.kv_written(seq.block_table[first:first + n])
             seq.num_cached_tokens += n * bs
             seq.disk_cached_tokens += n * bs
-            self.hit_tokens += n * bs
             self.read_bytes += n * self.fmt.nbytes
             self.read_s += time.perf_counter() - t0
             if rec.enabled:
@@ -128,7 +126,6 @@ class DiskTier:
                 continue
             self.bm.hold(block)
             self.writer.submit(keys[i], self.runner.kv_block(block), block)
-            self.written_pages += 1
         self._written[seq.seq_id] = full
 
     def poll(self) -> None:
