@@ -50,7 +50,7 @@ screenshots: $(STAMP)
 	fi
 
 bench: $(STAMP)
-	$(PY) -m engine.bench $(BENCH_ARGS)
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean-model:
 	$(PY) -c "from engine.defaults import default_model_dir; import shutil; shutil.rmtree(default_model_dir(), ignore_errors=True)"

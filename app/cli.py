@@ -10,9 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-SAMPLE = Path(__file__).resolve().parent.parent / "resources" / "samples" / "kv_cache_offload_primer.md"
-SAMPLE_QUESTION = ("What is the name of the Halvorsen lab's profiling dashboard that shows busy fraction, overlap and "
-                   "exposed copy time per layer?")  # the answer sits near the end of the ~5.8K-token sample
+from engine.errors import ConfigError
+from engine.sparse import SPECS, get_spec, parse_policy_spec   # torch-free: the policies' specs only
+
+from app.samples import SAMPLE, SAMPLE_QUESTION
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,24 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prefill-chunk", type=int, default=8192, metavar="TOKENS",
                    help="layerwise prefill: rows per QKV/MLP chunk (bounds activation memory)")
     c.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
-    c.add_argument("--policy", choices=("full", "quest", "minference", "xattention"), default="full",
-                   help="sparse attention policy: full (dense); quest (decode loads only the top KV pages; layerwise); "
-                   "minference (prefill on vertical-slash patterns) or xattention (prefill on blocks chosen by "
-                   "antidiagonal scores), both gpu or layerwise")
-    c.add_argument("--quest-budget", type=int, default=2048, help="quest: tokens of KV loaded per layer and kv head")
-    c.add_argument("--quest-page", type=int, default=32, help="quest: page size in tokens (divides --block-size)")
-    c.add_argument("--quest-dense-layers", type=int, default=2, help="quest: first layers kept dense")
-    c.add_argument("--quest-recall", action="store_true",
-                   help="quest: measure recall (attention mass on the loaded pages) from the whole K each step (slow)")
-    c.add_argument("--minference-vertical", type=float, default=1000,
-                   help="minference: vertical columns per head (a count, or a fraction of the prompt if <= 1)")
-    c.add_argument("--minference-slash", type=float, default=6096,
-                   help="minference: slash diagonals per head (a count, or a fraction of the prompt if <= 1)")
-    c.add_argument("--xattention-threshold", type=float, default=0.9,
-                   help="xattention: keep key blocks until their estimated share of attention reaches this")
-    c.add_argument("--xattention-stride", type=int, default=16, help="xattention: antidiagonal stride")
-    c.add_argument("--sparse-min-len", type=int, default=8192,
-                   help="minference/xattention: prompts shorter than this (tokens) run dense")
+    _add_policy_arguments(c)
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     c.add_argument("--top-p", type=float, default=1.0)
@@ -93,15 +77,108 @@ def kv_store_command(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- policy flags, generated from the specs
+class _PolicyChoices(list):
+    """`--policy`'s choices: the policy names (as listed in help and errors), each also with inline parameters,
+    "quest:token_budget=1024:page_size=16" (the bench's syntax)."""
+
+    def __contains__(self, value) -> bool:
+        return isinstance(value, str) and list.__contains__(self, value.split(":", 1)[0])
+
+
+class _PolicyFlag(argparse.Action):
+    """Stores a generated policy flag's value (True for a bool flag) and the spelling typed, for messages."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        vars(namespace).setdefault("policy_flags_typed", {})[self.dest] = option_string
+
+
+def policy_flags() -> dict[str, list]:
+    """Each generated flag (without '--') -> the (spec, param) pairs it sets; a flag shared by several policies
+    (the same `Param.flag`) lists one pair per policy. Aliases are not keys (they name the same argument)."""
+    flags: dict[str, list] = {}
+    for spec in SPECS.values():
+        for param in spec.params:
+            flag = param.flag or f"{spec.name}-{param.name.replace('_', '-')}"
+            owners = flags.setdefault(flag, [])
+            if owners and (owners[0][1].type is not param.type or owners[0][1].aliases != param.aliases
+                           or any(s is spec for s, _ in owners)):
+                raise ValueError(f"--{flag} is shared by {owners[0][0].name} and {spec.name} with different types "
+                                 "or aliases, or twice by one policy: give the params their own flags")
+            owners.append((spec, param))
+    return flags
+
+
+def _dest(flag: str) -> str:
+    return "policy_flag_" + flag.replace("-", "_")
+
+
+def _policy_flag_help(owners: list) -> str:
+    def one(param) -> str:
+        extra = ("default: off" if param.type is bool
+                 else f"{param.describe_range()}; default: {param.default}")
+        return f"{param.help} ({extra})"
+    described = {one(param) for _, param in owners}
+    if len(described) == 1:
+        text = f"{'/'.join(spec.name for spec, _ in owners)}: {described.pop()}"
+    else:
+        text = "; ".join(f"{spec.name}: {one(param)}" for spec, param in owners)
+    return text.replace("%", "%%")
+
+
+def _add_policy_arguments(c: argparse.ArgumentParser) -> None:
+    """`--policy` and one flag per policy parameter (plus its aliases), all from engine.sparse.SPECS. The flags
+    default to None (not given): the defaults are the specs'."""
+    listing = "; ".join(f"{s.name} ({s.title}: {s.phase}, {'/'.join(s.modes)} mode)" for s in SPECS.values())
+    c.add_argument("--policy", choices=_PolicyChoices(SPECS), default="full", metavar="POLICY[:KEY=VALUE...]",
+                   help=f"sparse attention policy: {listing}. Its parameters come from the flags below or inline, "
+                   "e.g. quest:token_budget=1024:page_size=16 (default: full)".replace("%", "%%"))
+    g = c.add_argument_group("policy parameters", "each applies to the policy (or policies) named at the start "
+                             "of its help; a value out of range, or one for a policy not chosen, is refused before "
+                             "the model loads")
+    for flag, owners in policy_flags().items():
+        param = owners[0][1]
+        names = [f"--{flag}", *(f"--{a}" for a in param.aliases)]
+        kind = ({"nargs": 0} if param.type is bool
+                else {"type": param.type, "metavar": "N" if param.type is int else "X"})
+        g.add_argument(*names, dest=_dest(flag), action=_PolicyFlag, default=None, help=_policy_flag_help(owners),
+                       **kind)
+
+
+def policy_name(args) -> str:
+    """The chosen policy's name (`--policy quest:token_budget=1024` -> "quest")."""
+    return args.policy.split(":", 1)[0]
+
+
 def policy_params(args) -> dict:
-    """The chosen policy's parameters from the command line."""
-    return {"full": {},
-            "quest": {"token_budget": args.quest_budget, "page_size": args.quest_page,
-                      "dense_layers": args.quest_dense_layers, "recall": args.quest_recall},
-            "minference": {"vertical": args.minference_vertical, "slash": args.minference_slash,
-                           "min_len": args.sparse_min_len},
-            "xattention": {"threshold": args.xattention_threshold, "stride": args.xattention_stride,
-                           "min_len": args.sparse_min_len}}[args.policy]
+    """The chosen policy's parameters given on the command line (inline in `--policy` or as flags), checked
+    against its spec: ConfigError for a value out of range, or a flag of a policy that is not the chosen one.
+    Parameters not given are left out (the engine takes the spec's defaults)."""
+    name = policy_name(args)
+    spec = get_spec(name)
+    params: dict = {}
+    if ":" in args.policy:
+        parsed = parse_policy_spec(args.policy)
+        if len(parsed) != 1:
+            raise ConfigError(f"--policy takes one policy, not {args.policy!r}")
+        params = dict(parsed[0][1])
+    typed = getattr(args, "policy_flags_typed", {})
+    for flag, owners in policy_flags().items():
+        value = getattr(args, _dest(flag), None)
+        if value is None:
+            continue
+        said = typed.get(_dest(flag), f"--{flag}")
+        mine = [param for s, param in owners if s.name == name]
+        if not mine:
+            applies = " or ".join(f"--policy {s.name}" for s, _ in owners)
+            raise ConfigError(f"{said} applies to {applies}, not --policy {name}")
+        key = mine[0].name
+        if key in params and params[key] != value:
+            raise ConfigError(f"{name} {key} is given twice: {params[key]} in --policy and {value} by {said}")
+        params[key] = value
+    checked = spec.validate(params)
+    return {key: checked[key] for key in params}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +210,8 @@ def _progress(fraction: float, message: str) -> None:
 
 
 def _chat(args) -> int:
+    policy, policy_kwargs = policy_name(args), policy_params(args)   # first: a bad value fails before any work
+    get_spec(policy).check_mode(args.mode)
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams
@@ -150,38 +229,37 @@ def _chat(args) -> int:
     if args.trace is not None:
         recorder = TraceRecorder(max_steps=args.max_new_tokens + 64,
                                  device=EngineConfig(device=args.device).resolve_device())
-    llm = LLM(args.model, progress=_progress, recorder=recorder, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
-              gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
-              prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=args.policy,
-              policy_params=policy_params(args), kv_store=None if args.no_kv_store else args.kv_store,
-              kv_store_gb=args.kv_store_gb)
-    messages = document_messages(document.text, question, document.name, args.system)
-    answer = []
-    stats = None
-    for chunk in llm.stream(messages, params):
-        if chunk.stats is not None:
-            stats = chunk.stats
-        elif chunk.text:
-            answer.append(chunk.text)
-            if not args.json:
-                print(chunk.text, end="", flush=True)
-    if args.json:
-        print(json.dumps({"answer": "".join(answer), "document": str(doc_path), "question": question,
-                          "model": llm.model_name, "device": str(llm.device), "mode": args.mode,
-                          "policy": llm.config.policy, "policy_params": llm.config.policy_params,
-                          **({"plan": llm.plan.to_dict()} if llm.plan is not None else {}),
-                          "dtype": str(llm.dtype).removeprefix("torch."), **stats.to_dict()}, indent=2))
-    else:
-        print("\n")
-        disk = f", {stats.disk_cached_tokens} of them from disk" if stats.disk_cached_tokens else ""
-        print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached{disk}) · answer {stats.completion_tokens} "
-              f"tok · TTFT {stats.ttft_s:.2f} s · prefill {stats.prefill_tok_s:,.0f} tok/s · decode "
-              f"{stats.decode_tok_s:.1f} tok/s · {stats.finish_reason}", file=sys.stderr)
-        if args.mode != "gpu":
-            print(f"{args.mode}: KV moved host->device {stats.bytes_h2d / 2**20:,.1f} MiB, device->host "
-                  f"{stats.bytes_d2h / 2**20:,.1f} MiB", file=sys.stderr)
-    llm.close()                                   # the disk tier's last writes
+    with LLM(args.model, progress=_progress, recorder=recorder, device=args.device, dtype=args.dtype,
+             max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
+             gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
+             prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=policy,
+             policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
+             kv_store_gb=args.kv_store_gb) as llm:     # closed at the end: threads joined, last writes done
+        messages = document_messages(document.text, question, document.name, args.system)
+        answer = []
+        stats = None
+        for chunk in llm.stream(messages, params):
+            if chunk.stats is not None:
+                stats = chunk.stats
+            elif chunk.text:
+                answer.append(chunk.text)
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+        if args.json:
+            print(json.dumps({"answer": "".join(answer), "document": str(doc_path), "question": question,
+                              "model": llm.model_name, "device": str(llm.device), "mode": args.mode,
+                              "policy": llm.config.policy, "policy_params": llm.config.policy_params,
+                              **({"plan": llm.plan.to_dict()} if llm.plan is not None else {}),
+                              "dtype": str(llm.dtype).removeprefix("torch."), **stats.to_dict()}, indent=2))
+        else:
+            print("\n")
+            disk = f", {stats.disk_cached_tokens} of them from disk" if stats.disk_cached_tokens else ""
+            print(f"prompt {stats.prompt_tokens} tok ({stats.cached_tokens} cached{disk}) · answer {stats.completion_tokens} "
+                  f"tok · TTFT {stats.ttft_s:.2f} s · prefill {stats.prefill_tok_s:,.0f} tok/s · decode "
+                  f"{stats.decode_tok_s:.1f} tok/s · {stats.finish_reason}", file=sys.stderr)
+            if args.mode != "gpu":
+                print(f"{args.mode}: KV moved host->device {stats.bytes_h2d / 2**20:,.1f} MiB, device->host "
+                      f"{stats.bytes_d2h / 2**20:,.1f} MiB", file=sys.stderr)
     if recorder is not None:
         path = write_chrome_trace(list(recorder.steps), args.trace)
         print(f"trace: {len(recorder.steps)} steps written to {path} (open it in https://ui.perfetto.dev)",

@@ -18,36 +18,36 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QSettings, Qt, QThread, Signal, Slot
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QMessageBox, QWidget
+from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QWidget
 
-from app.bundle import bundle_folder, export_bundle_dialog, export_chat_dialog, write_bundle
-from app.cli import SAMPLE
+from app.bundle import bundle_folder, write_bundle
+from app.menus import build_menus
 from app.quest_highlight import QuestHighlight
+from app.samples import SAMPLE
 from app.settings import restore_settings, save_settings
 from app.status import StatusBar
 from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
+from app.views import VIEWS, ViewSpec, build_docks
 from app.worker import EngineWorker
 from widgets.chat_view import ChatView
-from widgets.document_panel import SUPPORTED_SUFFIXES, DocumentPanel
-from widgets.mask_view import MaskView
-from widgets.metrics_strip import MetricsStrip
-from widgets.policy_panel import POLICIES, PolicyPanel
-from widgets.quest_view import QuestView
-from widgets.ring_view import RingView
-from widgets.timeline_view import TimelineView
+from widgets.document_panel import SUPPORTED_SUFFIXES
+from widgets.policy_panel import POLICIES
+
+if TYPE_CHECKING:   # the views' classes, for the attributes below
+    from widgets.document_panel import DocumentPanel
+    from widgets.mask_view import MaskView
+    from widgets.metrics_strip import MetricsStrip
+    from widgets.policy_panel import PolicyPanel
+    from widgets.quest_view import QuestView
+    from widgets.ring_view import RingView
+    from widgets.timeline_view import TimelineView
 
 CLOSE_WAIT_MS = 30000   # closing waits this long for the worker (a model load cannot be interrupted)
-DOCS = (("document", "Document", Qt.DockWidgetArea.LeftDockWidgetArea),
-        ("policy", "Policy", Qt.DockWidgetArea.RightDockWidgetArea),
-        ("metrics", "Metrics", Qt.DockWidgetArea.BottomDockWidgetArea),
-        ("timeline", "Timeline", Qt.DockWidgetArea.BottomDockWidgetArea),
-        ("ring", "Ring buffer", Qt.DockWidgetArea.BottomDockWidgetArea),
-        ("quest", "Quest", Qt.DockWidgetArea.BottomDockWidgetArea),
-        ("masks", "Masks", Qt.DockWidgetArea.BottomDockWidgetArea))
 
 
 def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
@@ -56,19 +56,35 @@ def engine_kwargs(panel_config: dict, overrides: dict | None = None) -> dict:
 
 
 class MainWindow(QMainWindow):
-    """The app window. Public for tests and tools: `chat`, `document_panel`, `policy_panel`, `timeline`, `ring`,
-    `quest`, `masks`, `metrics`, `status` (StatusBar), `docks` (name -> QDockWidget), `worker`, `thread`,
-    `quest_highlight` (what Quest reads, tinted in the document) and its View menu toggle `highlight_action`,
-    `model_info` (the latest model_ready dict), `is_busy()`, `send(question)`, `stop()`, `export_bundle(folder)`,
-    `shutdown()`."""
+    """The app window. Public for tests and tools: `chat`, one attribute per view of the registry (app/views.py:
+    `document_panel`, `policy_panel`, `metrics`, `timeline`, `ring`, `quest`, `masks`), `views` (name -> widget),
+    `docks` (name -> QDockWidget), `view_specs` (the registry it was built from), `status` (StatusBar), `worker`,
+    `thread`, `quest_highlight` (what Quest reads, tinted in the document) and its View menu toggle
+    `highlight_action`, `model_info` (the latest model_ready dict), `is_busy()`, `send(question)`, `stop()`,
+    `export_bundle(folder)`, `shutdown()`.
+
+    The `views=` argument is the registry to build the docks from (default `app.views.VIEWS`; tests add to it)."""
+
+    # set by build_docks from the registry (declared here for readers and type checkers)
+    views: dict[str, QWidget]
+    docks: dict[str, QDockWidget]
+    document_panel: DocumentPanel
+    policy_panel: PolicyPanel
+    metrics: MetricsStrip
+    timeline: TimelineView
+    ring: RingView
+    quest: QuestView
+    masks: MaskView
 
     request_load = Signal(dict)
     request_open = Signal(str)
     request_ask = Signal(str, dict, str)
     request_new_chat = Signal()
 
-    def __init__(self, config: dict | None = None, parent: QWidget | None = None):
+    def __init__(self, config: dict | None = None, parent: QWidget | None = None, *,
+                 views: Sequence[ViewSpec] = VIEWS):
         super().__init__(parent)
+        self.view_specs = tuple(views)
         self.options = dict(config or {})
         self.engine_overrides = {"kv_store": "default", **(self.options.get("engine") or {})}   # disk KV tier on
         path = self.options.get("settings_path")
@@ -83,11 +99,11 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("kvscope")
         self.resize(1400, 900)
         self._build_views()
-        self._build_menus()
+        build_menus(self)
         self._default_state = self.saveState()
         self._start_worker()
-        self.telemetry = TelemetryPump(self.worker.drain, (self.timeline, self.ring, self.quest, self.masks),
-                                       self._draw_steps, self.metrics.clear, parent=self)
+        traced = tuple(self.views[spec.name] for spec in self.view_specs if spec.telemetry)
+        self.telemetry = TelemetryPump(self.worker.drain, traced, self._draw_steps, self.metrics.clear, parent=self)
         self.telemetry.start()
         restore_settings(self)
         if self.options.get("autostart", True):
@@ -98,32 +114,8 @@ class MainWindow(QMainWindow):
     def _build_views(self) -> None:
         self.chat = ChatView()
         self.setCentralWidget(self.chat)
-        self.document_panel = DocumentPanel()
-        self.policy_panel = PolicyPanel()
-        self.metrics = MetricsStrip()
-        self.timeline = TimelineView()
-        self.ring = RingView()
-        self.quest = QuestView()
-        self.masks = MaskView(threaded=True)     # binned off the GUI thread
+        build_docks(self, self.view_specs)   # sets views, docks and one attribute per view
         self.quest_highlight = QuestHighlight(self.document_panel)   # the document spans Quest reads
-        views = {"document": self.document_panel, "policy": self.policy_panel, "metrics": self.metrics,
-                 "timeline": self.timeline, "ring": self.ring, "quest": self.quest, "masks": self.masks}
-        self.docks: dict[str, QDockWidget] = {}
-        for name, title, area in DOCS:
-            dock = QDockWidget(title, self)
-            dock.setObjectName(f"dock_{name}")     # saveState/restoreState find docks by name
-            dock.setWidget(views[name])
-            self.addDockWidget(area, dock)
-            self.docks[name] = dock
-        # bottom: the metrics row over the timeline and the ring, side by side
-        self.splitDockWidget(self.docks["metrics"], self.docks["timeline"], Qt.Orientation.Vertical)
-        self.splitDockWidget(self.docks["timeline"], self.docks["ring"], Qt.Orientation.Horizontal)
-        self.tabifyDockWidget(self.docks["ring"], self.docks["quest"])     # Quest picks: a tab beside the ring
-        self.tabifyDockWidget(self.docks["quest"], self.docks["masks"])    # sparse prefill masks: one more tab
-        self.docks["ring"].raise_()
-        self.resizeDocks([self.docks["document"], self.docks["policy"]], [380, 330], Qt.Orientation.Horizontal)
-        self.resizeDocks([self.docks["timeline"], self.docks["ring"]], [700, 420], Qt.Orientation.Horizontal)
-        self.resizeDocks([self.docks["metrics"], self.docks["timeline"]], [50, 300], Qt.Orientation.Vertical)
         self.status = StatusBar()
         self.setStatusBar(self.status)
         self.status.set_policy(POLICIES[self.policy_panel.policy()][0])
@@ -135,36 +127,6 @@ class MainWindow(QMainWindow):
         self.document_panel.file_dropped.connect(self.open_document)
         self.policy_panel.config_changed.connect(lambda cfg: self.status.set_policy(POLICIES[cfg["policy"]][0]))
         self.policy_panel.model_folder_chosen.connect(self._on_model_folder)
-
-    def _build_menus(self) -> None:
-        def action(menu, text, slot, shortcut=None) -> QAction:
-            act = menu.addAction(text)
-            act.triggered.connect(slot)
-            if shortcut is not None:
-                act.setShortcut(QKeySequence(shortcut))
-            return act
-
-        file_menu = self.menuBar().addMenu("&File")
-        action(file_menu, "&Open document…", self.open_document_dialog, QKeySequence.StandardKey.Open)
-        action(file_menu, "&New chat", self.new_chat, QKeySequence.StandardKey.New)
-        file_menu.addSeparator()
-        action(file_menu, "Export &chat…", lambda: export_chat_dialog(self))
-        action(file_menu, "Export &bundle…", lambda: export_bundle_dialog(self))
-        file_menu.addSeparator()
-        action(file_menu, "&Quit", self.close, "Ctrl+Q")
-        view_menu = self.menuBar().addMenu("&View")
-        for dock in self.docks.values():
-            view_menu.addAction(dock.toggleViewAction())
-        view_menu.addSeparator()
-        self.highlight_action = QAction("&Highlight what Quest reads", self, checkable=True, checked=True,
-                                        toggled=self.quest_highlight.set_enabled)
-        view_menu.addAction(self.highlight_action)
-        action(view_menu, "&Reset layout", self.reset_layout)
-        help_menu = self.menuBar().addMenu("&Help")
-        action(help_menu, "&About kvscope", self._about)
-        self.stop_action = QAction("Stop the answer", self, shortcut=QKeySequence(Qt.Key.Key_Escape))
-        self.stop_action.triggered.connect(self._escape)
-        self.addAction(self.stop_action)      # Esc anywhere in the window (the chat's own Esc works too)
 
     def _start_worker(self) -> None:
         self.thread = QThread(self)
@@ -224,10 +186,6 @@ class MainWindow(QMainWindow):
         self.worker.stop()
         if "ask" in self._pending and not (self._pending[0] == "ask" and self._head_started):
             self._stop_when_started = True
-
-    def _escape(self) -> None:
-        if self.chat.is_streaming() and self.chat.send_button.isEnabled():
-            self.chat.send_button.click()    # the chat's Stop button: shows "Stopping…" and emits stop_requested
 
     def open_document(self, path: str) -> None:
         self._request("open", self.request_open, str(path))
@@ -368,22 +326,17 @@ class MainWindow(QMainWindow):
                 "system_prompt": self.chat.system_prompt()}
 
     def export_bundle(self, folder: Path) -> Path:
-        """Write window.png, timeline/ring/quest/masks/metrics/chat PNGs, trace.json (the last turn), chat.md,
-        chat.json and config.json into `folder`, or into a new timestamped subfolder when `folder` is not empty;
-        returns it."""
+        """Write window.png, a PNG of each view registered with export=True (timeline, ring, quest, masks,
+        metrics) and chat.png, trace.json (the last turn), chat.md, chat.json and config.json into `folder`, or
+        into a new timestamped subfolder when `folder` is not empty; returns it."""
         out = bundle_folder(Path(folder))
         steps = None if "ask" in self._pending else list(self.worker.turn_steps)   # never read while it changes
-        views = {"timeline": self.timeline, "ring": self.ring, "quest": self.quest, "masks": self.masks,
-                 "metrics": self.metrics, "chat": self.chat}
+        views = {spec.name: self.views[spec.name] for spec in self.view_specs if spec.export}
+        views["chat"] = self.chat
         write_bundle(out, self.grab(), views, self.chat, steps, self.describe())
         return out
 
-    # ------------------------------------------------------------------ help, drops, closing
-    def _about(self) -> None:
-        QMessageBox.about(self, "About kvscope", "<b>kvscope</b><p>Chat with a long document on kvscope's own "
-                          "engine and watch it work: the stream timeline, the ring buffer and the metrics show "
-                          "what each step computed and copied.</p><p>Apache-2.0</p>")
-
+    # ------------------------------------------------------------------ drops, closing
     def dragEnterEvent(self, event) -> None:
         self.document_panel.dragEnterEvent(event)
 
@@ -395,7 +348,10 @@ class MainWindow(QMainWindow):
         self.telemetry.stop()
         self.worker.stop()
         self.thread.quit()                    # requests still queued are dropped
-        return self.thread.wait(timeout_ms)
+        finished = self.thread.wait(timeout_ms)
+        if finished:
+            self.worker.close_engine()        # nothing runs on the engine any more: join its threads
+        return finished
 
     def closeEvent(self, event) -> None:
         if not self._closed:

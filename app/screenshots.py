@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtWidgets import QApplication
 
-    from app.cli import SAMPLE, SAMPLE_QUESTION
+    from app.samples import SAMPLE, SAMPLE_QUESTION
     from app.main_window import MainWindow
 
     args.outdir.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,13 @@ class EngineWorker(QObject):
         """Thread-safe: the running answer (or prefill) stops after the current layer."""
         self._cancel.set()
 
+    def close_engine(self) -> None:
+        """Close the engine (threads joined, pinned memory freed, last disk writes done). Call it once the worker's
+        thread has finished, from the thread that owns the window."""
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
     def drain(self) -> list:
         """Thread-safe: the engine steps recorded since the last call."""
         out = []
@@ -201,7 +208,7 @@ class EngineWorker(QObject):
         """For the highlight of what Quest reads: each prompt token's document characters (app/quest_highlight.py),
         with the turn's first step number. None when the policy does not select pages (nothing to highlight);
         map None (and why) when the prompt cannot be mapped. Cached for a prompt asked again."""
-        if not getattr(getattr(llm.runner, "policy", None), "requires_block_selection", False):
+        if not llm.runner.policy.plans_loads:
             return None
         key = (id(llm), repr(messages))
         if self._map_cache[0] != key:

@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 @dataclass
 class EngineConfig:
     model: str | None = None            # Hugging Face folder; None = the embedded default model
-    shape: str | None = None            # a name from shared/model_shapes.json: random weights (benchmarks)
+    shape: dict | None = None           # config.json values of a model: random weights of its shape (bench.shapes)
     device: str | None = None           # "cuda", "cuda:1", "cpu"; None = cuda when available
     dtype: str | None = None            # None = bf16 on GPU, fp32 on CPU
     mode: str = "gpu"                   # where KV lives (DESIGN.md §2.1)
@@ -66,6 +66,9 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.99] (got {self.gpu_memory_utilization})")
         if self.model is not None and self.shape is not None:
             raise ConfigError("give either a model folder or a --shape for random weights, not both")
+        if self.shape is not None and not isinstance(self.shape, dict):
+            raise ConfigError(f"shape takes a model's config.json values as a dict (bench.shapes.shape_config(name) "
+                              f"gives the known ones), not {type(self.shape).__name__}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

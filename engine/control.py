@@ -17,14 +17,12 @@ class TaskState:
                  on_progress: Callable[[float, str], None] | None = None):
         self.cancel = cancel if cancel is not None else threading.Event()
         self.on_progress = on_progress
-        self.prefill = False   # set by the engine: progress is reported for prefill steps only
 
-    def layer_done(self, done: int, total: int) -> None:
-        """`done` of `total` units of this step's work are finished (layers, or chunk x layers)."""
+    def layer_done(self, done: int, total: int, prefill: bool) -> None:
+        """`done` of `total` units of this step's work are finished (layers, or chunk x layers); progress is
+        reported for prefill steps only."""
         if self.cancel.is_set():
             raise Cancelled("stopped")
-        if self.prefill and self.on_progress is not None:
+        if prefill and self.on_progress is not None:
             self.on_progress(done / total, f"prefill: {done} of {total} layers")
 
-
-NO_TASK = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,56 +12,34 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
-from engine.model_runner import ModelRunner
-from engine.offload.tier import kv_identity, open_tier
+from engine.offload.tier import model_identity, open_tier
+from engine.outputs import Completion, Detokenizer, GenerationStats, StreamChunk, request_stats  # noqa: F401
 from engine.models.loader import build_model, load_weights, random_weights
-from engine.models.registry import parse_config, read_config, shape_config
+from engine.models.registry import parse_config, read_config
 from engine.sampling import SamplingParams
+from engine.runner import Runner, make_runner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.sparse import make_policy
+from engine.step import StepContext
 from engine.trace.events import DECODE, HOST, LOAD, PREFILL, TOKENIZE
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
 Progress = Callable[[float, str], None]
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int
-    cached_tokens: int          # prompt tokens whose KV came from the prefix cache
-    completion_tokens: int
-    ttft_s: float               # request start (incl. tokenization) to the first answer token
-    prefill_tok_s: float        # computed (uncached) prompt tokens per second of prefill
-    decode_tok_s: float         # answer tokens after the first, per second
-    total_s: float
-    finish_reason: str          # stop | length | cancelled
-    bytes_h2d: int = 0          # KV bytes moved host -> device for this request (offload modes)
-    bytes_d2h: int = 0          # KV bytes moved device -> host
-    disk_cached_tokens: int = 0  # of the cached tokens, those read from the disk tier
-    policy_stats: dict = field(default_factory=dict)  # the sparse policy's figures (density, pages selected, ...)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class StreamChunk:
-    text: str                              # new answer text ("" in the final chunk)
-    stats: GenerationStats | None = None   # set in the final chunk only
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-
-
 class LLM:
+    """The engine. A context manager: `with LLM(...) as llm:` closes it (threads joined, memory unpinned)."""
+
     def __init__(self, model: str | None = None, progress: Progress | None = None,
                  recorder: Recorder | None = None, **config):
         self.config = EngineConfig.from_kwargs(model=model, **config)
         cfg = self.config
+        policy = make_policy(cfg.policy, cfg.policy_params, cfg.mode)   # a bad policy fails before any loading
+        self.runner: Runner | None = None
+        self.tier = None
+        self._task: TaskState | None = None    # the running request's cancel flag and progress
+        self._steps = 0
         rec = self._recorder = recorder or NULL_RECORDER
         if rec.enabled:
             rec.begin_step(LOAD)
@@ -72,8 +49,9 @@ class LLM:
         self.dtype = cfg.resolve_dtype(self.device)
         self.tokenizer = None
         if cfg.shape is not None:
-            self.model_dir, self.model_name = None, f"random weights, {cfg.shape} shape"
-            args = parse_config(shape_config(cfg.shape), f"--shape {cfg.shape}")
+            shape = cfg.shape.get("_name", cfg.shape.get("model_type", "?"))
+            self.model_dir, self.model_name = None, f"random weights, {shape} shape"
+            args = parse_config(cfg.shape, f"shape {shape}")
         else:
             self.model_dir = _resolve_model_dir(cfg.model, progress)
             self.model_name = self.model_dir.name
@@ -93,17 +71,20 @@ class LLM:
                     random_weights(model, cfg.seed)
                 else:
                     load_weights(model, self.model_dir)
-            self.runner = _make_runner(model, cfg, self.device, self.dtype, self.max_model_len, rec)
+            self.runner = make_runner(model, cfg, self.device, self.dtype, self.max_model_len, policy, rec)
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"{self.model_name} does not fit in {self.device} memory in "
                                    f"{str(self.dtype).removeprefix('torch.')}: use a smaller model or --device cpu") from None
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self._eos_ids(), self.max_model_len)
-        self.tier = open_tier(self)            # the disk KV tier (config.kv_store), or None
+        self.tier = self._open_tier()           # the disk KV tier (config.kv_store), or None
+        self.plan = self.runner.plan            # layerwise: which layers stay on the device
+        if self.plan is not None:
+            with rec.span(HOST, "residency plan", **self.plan.to_dict()):
+                pass
         if rec.enabled:
             rec.end_step(self._memory_metrics())
-        self.plan = getattr(self.runner, "plan", None)   # layerwise: which layers stay on the device
         if progress:
             if self.plan is not None:
                 progress(1.0, self.plan.describe())
@@ -112,21 +93,44 @@ class LLM:
     def set_policy(self, name: str, params: dict | None = None) -> None:
         """Switch the sparse policy between requests. The prefix cache is dropped: KV (and Quest's page metadata)
         made under another policy would otherwise be reused, and the next prompt would not really run the new one."""
-        from engine.sparse import make_policy
         if not self.scheduler.is_finished():
             raise ConfigError("the policy cannot change while a request runs: stop it or wait for the answer")
         policy = make_policy(name, params, self.config.mode)
         self.runner.set_policy(policy)
         self.block_manager.forget_cached()
         self.config.policy, self.config.policy_params = name, dict(params or {})
-        if self.tier is not None and self.tier.fmt.model_id != kv_identity(self):
+        if self.tier is not None and self.tier.fmt.model_id != self._kv_identity():
             self.tier.close()                  # sparse prefill KV is not dense KV: pages of another namespace
-            self.tier = open_tier(self)
+            self.tier = self._open_tier()
+
+    def _kv_identity(self) -> str:
+        """The disk tier's namespace: what determines the KV (the model, and the policy where it changes prefill KV)."""
+        cfg = self.config
+        name = "" if self.model_dir is not None else f"random weights {json.dumps(cfg.shape, sort_keys=True)}, seed {cfg.seed}"
+        return model_identity(self.model_dir, name, cfg.policy, cfg.policy_params, self.runner.policy.supports_prefill)
+
+    def _open_tier(self):
+        cfg, a = self.config, self.args
+        if not cfg.kv_store:
+            return None
+        layout = (a.num_layers, 2, a.num_kv_heads, cfg.kv_block_size, a.head_dim)
+        return open_tier(cfg.kv_store, cfg.kv_store_gb, self._kv_identity(), str(self.dtype).removeprefix("torch."),
+                         layout, self.runner, self.block_manager)
 
     def close(self) -> None:
-        """Finish the disk tier's writes (the engine is usable no more for storing pages)."""
+        """Finish the disk tier's writes, then close the runner: every copy and writer thread is joined and the
+        pinned host memory freed. The engine cannot run after this. Idempotent."""
         if self.tier is not None:
             self.tier.close()
+            self.tier = None
+        if self.runner is not None:
+            self.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def recorder(self) -> Recorder:
@@ -134,8 +138,8 @@ class LLM:
 
     @recorder.setter
     def recorder(self, rec: Recorder | None) -> None:
-        """Swap the recorder between requests (None = record nothing)."""
-        self._recorder = self.runner.recorder = rec or NULL_RECORDER
+        """Swap the recorder between requests (None = record nothing); each step reports to it."""
+        self._recorder = rec or NULL_RECORDER
 
     def _memory_metrics(self) -> dict:
         if self.device.type != "cuda":
@@ -208,7 +212,7 @@ class LLM:
         rec, tier = self._recorder, self.tier
         reads = []
         if tier is not None and is_prefill:      # pages on disk: read, not computed
-            reads = [tier.fill(s) for s in seqs if not s.disk_checked]
+            reads = [tier.fill(s, rec) for s in seqs if not s.disk_checked]
             for s in seqs:
                 s.disk_checked = True
         if rec.enabled:
@@ -217,11 +221,10 @@ class LLM:
             for span in reads:
                 if span is not None:
                     rec.add_span(span)
-        task = self.runner.model.task
-        if task is not None:
-            task.prefill = is_prefill
+        ctx = StepContext(self._steps, is_prefill, rec, self._task)
+        self._steps += 1
         try:
-            tokens = self.runner.run(seqs, is_prefill)
+            tokens = self.runner.run(seqs, is_prefill, ctx)
         except Cancelled:
             for s in seqs:
                 if is_prefill:
@@ -243,6 +246,8 @@ class LLM:
         finally:
             if rec.enabled:  # on CUDA its events are read while the GPU runs the next step
                 rec.end_step(self._step_metrics(seqs, is_prefill), defer=self.device.type == "cuda")
+            else:
+                self.runner.step_metrics()       # the policy's per-step figures are read (and reset) every step
         if tier is not None:                     # full blocks not on disk yet: to the background writer
             for s in seqs:
                 tier.write_back(s)
@@ -260,8 +265,7 @@ class LLM:
         m = {"batch": len(seqs), "context_tokens": sum(len(s) for s in seqs),
              "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
              "mem_kv_used": self.block_manager.num_used * self.runner.block_bytes}
-        if self.config.mode != "gpu":
-            m.update(self.runner.step_metrics())
+        m.update(self.runner.step_metrics())
         if is_prefill:
             m["prompt_tokens"] = sum(len(s) for s in seqs)
             m["cached_tokens"] = sum(s.num_cached_tokens for s in seqs)
@@ -295,7 +299,7 @@ class LLM:
         if self._recorder.enabled:
             self._recorder.flush()
         figures = self.runner.policy.stats()
-        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, _stats(s, figures))
+        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, request_stats(s, figures))
                 for s in seqs]
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
@@ -313,10 +317,9 @@ class LLM:
             rec.end_step({"prompt_tokens": len(ids)})
         seq = self.add_request(ids, params or SamplingParams())
         seq.t_arrival = t_start
-        detok = _Detokenizer(self.tokenizer)
+        detok = Detokenizer(self.tokenizer)
         seen = 0
-        model = self.runner.model
-        model.task = TaskState(cancel, progress) if cancel is not None or progress is not None else None
+        self._task = TaskState(cancel, progress) if cancel is not None or progress is not None else None
         try:
             while not seq.is_finished:
                 if cancel is not None and cancel.is_set():
@@ -332,59 +335,15 @@ class LLM:
                 if text:
                     yield StreamChunk(text)
         finally:
-            model.task = None
+            self._task = None
             if not seq.is_finished:  # the consumer stopped early (closed generator): free the blocks
                 self.cancel(seq)
             if rec.enabled:
                 rec.flush()
-        yield StreamChunk("", _stats(seq, self.runner.policy.stats()))
+        yield StreamChunk("", request_stats(seq, self.runner.policy.stats()))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-
-
-class _Detokenizer:
-    """Incremental decoding that never emits half a multi-byte character."""
-
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if after.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
-
-
-def _stats(seq: Sequence, policy: dict) -> GenerationStats:
-    end = seq.t_last_token or time.perf_counter()
-    first = seq.t_first_token or end
-    prefill_s = first - (seq.t_prefill_start or first)
-    computed = seq.num_prompt_tokens - seq.num_cached_tokens
-    decode_n = seq.num_completion_tokens - 1
-    return GenerationStats(
-        prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
-        completion_tokens=seq.num_completion_tokens, ttft_s=first - seq.t_arrival,
-        prefill_tok_s=computed / prefill_s if prefill_s > 0 else 0.0,
-        decode_tok_s=decode_n / (end - first) if decode_n > 0 and end > first else 0.0,
-        total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled",
-        bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, disk_cached_tokens=seq.disk_cached_tokens,
-        policy_stats=policy)
-
-
-def _make_runner(model, cfg: EngineConfig, device, dtype, max_model_len: int, rec: Recorder):
-    if cfg.mode == "gpu":
-        return ModelRunner(model, cfg, device, dtype, max_model_len, rec)
-    from engine.offload import ChunkedRunner, LayerwiseRunner
-    runner = (LayerwiseRunner if cfg.mode == "layerwise" else ChunkedRunner)(model, cfg, device, dtype, max_model_len, rec)
-    plan = getattr(runner, "plan", None)
-    if plan is not None:
-        with rec.span(HOST, "residency plan", **plan.to_dict()):
-            pass
-    return runner
 
 
 def check_model(model: str | None) -> None:

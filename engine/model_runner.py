@@ -1,7 +1,8 @@
-"""One forward step over a batch of sequences: build the inputs, run the model, sample.
+"""gpu mode's runner: one forward step over a batch of sequences: build the inputs, run the model, sample.
 
-Owns the model, the paged KV cache and, on CUDA, the decode CUDA graphs (embedding to logits, one per batch
-size). KV cache: one tensor [2, layers, blocks + 1, Hkv, block_size, D] (head-major: a block of one head is one
+Owns the paged KV cache and, on CUDA, the decode CUDA graphs (embedding to logits, one per batch size); the
+model's layers get their attention from `_attend` (store the new K/V, then paged attention; a prefill policy's
+attention where one runs). KV cache: one tensor [2, layers, blocks + 1, Hkv, block_size, D] (head-major: a block of one head is one
 contiguous matrix), handed to the layers as [block, offset, head, dim] views; the extra block is scratch for
 the padded rows of a graph.
 """
@@ -14,10 +15,10 @@ from engine.config import EngineConfig
 from engine.errors import OutOfMemoryError
 from engine.layers.sampler import Sampler
 from engine.models.llama import CausalLM
-from engine.ops.attention import AttnMetadata
+from engine.ops.attention import AttnMetadata, decode_attention, prefill_attention, store_kv
 from engine.sequence import Sequence
-from engine.sparse import SparsePolicy, make_policy
-from engine.sparse.policy import attach
+from engine.sparse.policy import SparsePolicy, attach
+from engine.step import QUIET, StepContext
 from engine.trace.events import COMPUTE, HOST
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -64,19 +65,22 @@ class _GraphSpan:
 
 
 class ModelRunner:
+    plan = None   # no residency plan: every layer's KV is on the device
+
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, recorder: Recorder = NULL_RECORDER):
+                 max_model_len: int, policy: SparsePolicy, recorder: Recorder = NULL_RECORDER):
+        """`recorder` sees the loading work (KV allocation, graph capture); steps report to their context's."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
-        self.recorder = recorder
         self.args = model.args
         self.block_size = config.kv_block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.max_num_batched_tokens = config.max_num_batched_tokens or min(max_model_len, 32768)
+        self.scale = model.layers[0].self_attn.scale
         self.sampler = Sampler(device)
         with recorder.span(HOST, "allocate KV cache"):
             self.num_blocks = self._allocate_kv_cache()
-        self.set_policy(make_policy(config.policy, config.policy_params, "gpu"))
+        self.set_policy(policy)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.traced_graphs: dict[int, list[tuple]] = {}  # b -> two (graph, spans) copies with per-layer events
         self._graph_pool = None
@@ -84,22 +88,31 @@ class ModelRunner:
             with recorder.span(HOST, "capture decode CUDA graphs"):
                 self._capture_decode_graphs()
 
-    @property
-    def recorder(self) -> Recorder:
-        return self._recorder
-
-    @recorder.setter
-    def recorder(self, rec: Recorder) -> None:
-        self._recorder = self.model.recorder = rec
-        if hasattr(self, "policy"):
-            self.policy.recorder = rec
-
     def set_policy(self, policy: SparsePolicy) -> None:
         """The sparse policy of the next requests (gpu mode: prefill policies; decode reads the whole cache)."""
-        self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks,
-                             self._recorder)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.policy, layer.self_attn.attn.layer_id = policy, i
+        self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks)
+
+    def step_metrics(self) -> dict:
+        return self.policy.step_metrics()
+
+    def close(self) -> None:
+        """Nothing runs in the background in gpu mode; the graphs and the cache go with the runner."""
+        self.graphs.clear()
+        self.traced_graphs.clear()
+
+    def _attend(self, meta: AttnMetadata, ctx: StepContext):
+        """The model's attention for one step: store the new tokens' K/V in the paged cache, then attend."""
+        policy = self.policy if self.policy.supports_prefill else None
+
+        def attend(i: int, q, k, v):
+            kc, vc = self.k_caches[i], self.v_caches[i]
+            store_kv(k, v, kc, vc, meta.slots)
+            if meta.is_prefill:
+                sparse = None if policy is None else (
+                    lambda qi, ki, vi: policy.prefill_attention(qi, ki, vi, i, self.scale, ctx))
+                return prefill_attention(q, k, v, kc, vc, meta, self.scale, sparse)
+            return decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale)
+        return attend
 
     # ---------------------------------------------------------------- KV cache
     @property
@@ -125,20 +138,19 @@ class ModelRunner:
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"the KV cache of {num_blocks} blocks does not fit: lower num_kv_blocks or "
                                    "gpu_memory_utilization") from None
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i].transpose(1, 2)
-            layer.self_attn.attn.v_cache = self.kv_cache[1, i].transpose(1, 2)
+        self.k_caches = [self.kv_cache[0, i].transpose(1, 2) for i in range(a.num_layers)]
+        self.v_caches = [self.kv_cache[1, i].transpose(1, 2) for i in range(a.num_layers)]
         return num_blocks
 
     # ---------------------------------------------------------------- the disk tier's view of the KV
-    def kv_block(self, block_id: int) -> torch.Tensor:
+    def block(self, block_id: int) -> torch.Tensor:
         """One block's KV across the layers, [L, 2, Hkv, bs, D] (a view into the cache)."""
         return self.kv_cache[:, :, block_id].transpose(0, 1)
 
-    def kv_written(self, block_ids: list[int]) -> None:
+    def written(self, block_ids: list[int]) -> None:
         """Blocks filled from outside the model (the disk tier): nothing to invalidate in gpu mode."""
 
-    def kv_sync(self) -> None:
+    def sync(self) -> None:
         """The KV computed so far is in memory (before a reader on another thread copies it)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -150,8 +162,9 @@ class ModelRunner:
         n = min(self.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttnMetadata(True, torch.zeros(2, n, dtype=torch.long, device=self.device), q_lens=[n], k_lens=[n])
+        dense = lambda i, q, k, v: prefill_attention(q, k, v, None, None, meta, self.scale)  # noqa: E731 - no cache yet
         try:
-            self.model.logits(self.model(ids, torch.arange(n, device=self.device), meta)[-1:])
+            self.model.logits(self.model(ids, torch.arange(n, device=self.device), dense, QUIET)[-1:])
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"a prefill of {n} tokens does not fit in GPU memory: lower max_num_batched_tokens "
                                    "or max_model_len") from None
@@ -214,28 +227,30 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
-    def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+    def forward_logits(self, seqs: list[Sequence], is_prefill: bool, ctx: StepContext) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last position."""
         if is_prefill:
             ids, pos, meta, last_rows = self.prepare_prefill(seqs)
-            hidden = self.model(ids, pos, meta)[last_rows]
-            with self.recorder.span(COMPUTE, "logits"):
+            hidden = self.model(ids, pos, self._attend(meta, ctx), ctx)[last_rows]
+            with ctx.recorder.span(COMPUTE, "logits"):
                 return self.model.logits(hidden)
-        return self._decode_logits(seqs)
+        return self._decode_logits(seqs, ctx)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        logits = self.forward_logits(seqs, is_prefill)
-        if self.recorder.enabled:  # the GPU is busy with this step: read the last one's events now
-            self.recorder.resolve_deferred()
-        with self.recorder.span(HOST, "sample"):
+    def run(self, seqs: list[Sequence], is_prefill: bool, ctx: StepContext) -> list[int]:
+        logits = self.forward_logits(seqs, is_prefill, ctx)
+        rec = ctx.recorder
+        if rec.enabled:  # the GPU is busy with this step: read the last one's events now
+            rec.resolve_deferred()
+        with rec.span(HOST, "sample"):
             return self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
 
-    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode_logits(self, seqs: list[Sequence], ctx: StepContext) -> torch.Tensor:
         n = len(seqs)
         graph_bs = next((b for b in sorted(self.graphs) if b >= n), None)
         if graph_bs is None:
-            return self.model.logits(self.model(*self.prepare_decode(seqs)))
-        rec = self.recorder
+            ids, pos, meta = self.prepare_decode(seqs)
+            return self.model.logits(self.model(ids, pos, self._attend(meta, ctx), ctx))
+        rec = ctx.recorder
         if rec.enabled and graph_bs not in self.traced_graphs:
             self._capture(graph_bs, traced=True)
             self._capture(graph_bs, traced=True)
@@ -252,6 +267,7 @@ class ModelRunner:
                 rec.add_event_span(lane, name, start, end, layer)
         else:
             self.graphs[graph_bs].replay()
+        ctx.layer_done(len(self.model.layers), len(self.model.layers))   # Stop between graph replays
         return g["logits"][:n]
 
     def _capture_decode_graphs(self) -> None:
@@ -278,19 +294,14 @@ class ModelRunner:
         slots[1].zero_()
         context_lens.zero_()
         meta = AttnMetadata(False, slots, block_tables=g["block_tables"][:b], context_lens=context_lens)
-        step = lambda: self.model.logits(self.model(ids, pos, meta))  # noqa: E731
-        saved, task = self.model.recorder, self.model.task
-        self.model.recorder, self.model.task = NULL_RECORDER, None  # nothing may raise or record mid-capture
-        try:
-            g["logits"][:b] = step()  # warm-up: compiles the kernels outside the capture
-            spans = _GraphSpans()
-            if traced:
-                self.model.recorder = spans
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self._graph_pool):
-                g["logits"][:b] = step()
-        finally:
-            self.model.recorder, self.model.task = saved, task
+        spans = _GraphSpans()
+
+        def step(ctx: StepContext):   # nothing may raise (no task) or record on the host mid-capture
+            return self.model.logits(self.model(ids, pos, self._attend(meta, ctx), ctx))
+        g["logits"][:b] = step(QUIET)  # warm-up: compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self._graph_pool):
+            g["logits"][:b] = step(StepContext(recorder=spans) if traced else QUIET)
         self._graph_pool = graph.pool()
         if traced:
             self.traced_graphs.setdefault(b, []).append((graph, spans.spans))

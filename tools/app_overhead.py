@@ -61,7 +61,7 @@ def main() -> int:
 
     from PySide6.QtWidgets import QApplication
 
-    from app.cli import SAMPLE
+    from app.samples import SAMPLE
     from app.main_window import MainWindow
     from app.screenshots import ask_and_wait, wait_until
 

@@ -87,7 +87,8 @@ def main() -> int:
     engine = {"mode": args.mode, "device": args.device, "kv_block_size": args.block_size,
               "max_model_len": args.tokens + 1024}
     if args.shape:
-        engine["shape"] = args.shape
+        from bench.shapes import shape_config
+        engine["shape"] = shape_config(args.shape)
     base = child(args.model, engine, args.tokens)
     write = child(args.model, {**engine, "kv_store": str(store), "kv_store_gb": 200}, args.tokens)
     dropped = 0 if args.keep_page_cache else drop_page_cache(store)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 
 p = argparse.ArgumentParser()
@@ -15,7 +16,7 @@ p.add_argument("--shape", default="qwen3-4b")
 p.add_argument("--decode", type=int, default=4)
 a = p.parse_args()
 t = time.perf_counter()
-llm = LLM(shape=a.shape, mode="layerwise", max_model_len=a.tokens + a.decode + 16)
+llm = LLM(shape=shape_config(a.shape), mode="layerwise", max_model_len=a.tokens + a.decode + 16)
 print(f"engine ready in {time.perf_counter() - t:.0f} s: {llm.plan.describe()}; host pool "
       f"{llm.runner.oe.host.numel() * llm.runner.oe.host.element_size() / 2**30:.1f} GiB", flush=True)
 llm.generate([list(range(2048))], SamplingParams(max_tokens=4, ignore_eos=True))  # compiles the kernels

@@ -1,6 +1,12 @@
 """Where a decode step's time goes: torch.profiler over a few steps, top ops by CPU and CUDA time, host syncs.
 
     python tools/profile_decode.py --shape qwen3-4b --ctx 32768 --mode layerwise --policy quest
+    python tools/profile_decode.py --shape qwen3-4b --ctx 32768 --mode layerwise --syncs   # host syncs per step
+
+`--syncs` profiles the steps with Python stacks and counts, per decode step, the calls that block the host
+(cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) and the copies
+from pageable memory, split into those made inside the layer loop (under the runner's forward) and the rest
+(sampling reads the token once per step: that one is expected).
 """
 import argparse
 import json
@@ -8,6 +14,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 
 
@@ -21,8 +28,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--python", action="store_true", help="cProfile the host side instead (python functions)")
+    p.add_argument("--syncs", action="store_true", help="count host syncs and pageable copies per step, in and out "
+                   "of the layer loop")
     a = p.parse_args()
-    llm = LLM(shape=a.shape, max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
+    llm = LLM(shape=shape_config(a.shape), max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
               policy_params=json.loads(a.params))
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=a.steps + 4, ignore_eos=True))
@@ -43,6 +52,13 @@ def main() -> None:
         pstats.Stats(pr).sort_stats("cumulative").print_stats(a.rows)
         return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if a.syncs:
+        with profile(activities=acts, with_stack=True) as prof:
+            for _ in range(a.steps):
+                llm.step()
+            torch.cuda.synchronize()
+        sync_report(prof, a.steps)
+        return
     with profile(activities=acts) as prof:
         for _ in range(a.steps):
             llm.step()
@@ -55,6 +71,39 @@ def main() -> None:
     for e in syncs:
         print(f"{e.key}: {e.count} calls, {e.cpu_time_total / 1e3:.1f} ms")
     print(f"steps: {a.steps}; seq {seq.seq_id} at {len(seq)} tokens")
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+LOOP_FILES = ("engine/offload/layerwise.py", "engine/offload/chunked.py", "engine/offload/decode_graphs.py",
+              "engine/models/llama.py")
+
+
+def sync_report(prof, steps: int) -> None:
+    def in_loop(e) -> bool:
+        while e is not None and not e.stack:
+            e = e.cpu_parent
+        frames = e.stack if e is not None else []
+        return any(f in frame for frame in frames for f in LOOP_FILES)
+
+    counts = {("sync", True): 0, ("sync", False): 0, ("pageable", True): 0, ("pageable", False): 0}
+    names: dict[tuple, int] = {}
+    for e in prof.events():
+        kinds = []
+        if e.name in SYNC_CALLS:
+            kinds.append(("sync", e.name))
+        kinds += [("pageable", k.name) for k in getattr(e, "kernels", []) if "Pageable" in k.name]
+        for kind, name in kinds:
+            inside = in_loop(e)
+            counts[(kind, inside)] += 1
+            key = (kind, name, "layer loop" if inside else "outside", (e.stack or [""])[0] if e.stack else "")
+            names[key] = names.get(key, 0) + 1
+    print(f"per decode step over {steps} steps:")
+    print(f"  host syncs inside the layer loop: {counts[('sync', True)] / steps:g}; outside: "
+          f"{counts[('sync', False)] / steps:g}")
+    print(f"  pageable copies inside the layer loop: {counts[('pageable', True)] / steps:g}; outside: "
+          f"{counts[('pageable', False)] / steps:g}")
+    for key, n in sorted(names.items(), key=lambda kv: -kv[1]):
+        print(f"  {n / steps:g}/step  {key[0]}: {key[1]} ({key[2]}) {key[3]}")
 
 
 if __name__ == "__main__":

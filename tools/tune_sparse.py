@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from engine.bench_kernels import _band_blocks, _time_ms, _vs_pattern
+from bench.kernels import _band_blocks, _time_ms, _vs_pattern
 from engine.ops.attention import causal_attention
 from engine.ops.sparse_prefill import block_sparse_triton, vertical_slash_triton
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHBoxLayout, QLabel, QProgressBar, QPushButton, QSpinBox, QStackedWidget,
-                               QVBoxLayout, QWidget)
+                               QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget)
+
+from engine.sparse.specs import SPECS, PolicySpec   # torch-free: what each policy takes
+from widgets.policy_form import PolicyForm, combo_box, spin_box
 
 MODES = {
     "gpu": "All KV on the GPU: fastest; the context is bounded by GPU memory.",
@@ -20,51 +22,24 @@ MODES = {
                "earlier blocks: smallest GPU footprint, most host-to-GPU traffic.",
 }
 OFFLOAD_MODES = ("layerwise", "chunked")
-POLICIES = {   # key: (shown name, modes it works in, what it does, why it is unavailable elsewhere)
-    "full": ("Full", ("gpu", "layerwise", "chunked"), "Dense attention over every token: the exact baseline.", ""),
-    "quest": ("Quest", ("layerwise", "chunked"),
-              "Decode policy: per step, loads only the KV pages whose key bounds promise the highest attention "
-              "scores for the current query (less host-to-GPU traffic).",
-              "Quest chooses which host KV pages to load at each decode step of an offload mode. In gpu mode all "
-              "KV is already on the GPU: choose layerwise or chunked."),
-    "minference": ("MInference", ("gpu", "layerwise"),
-                   "Prefill policy: attends to a few vertical lines (key columns) and slash lines (diagonals) "
-                   "estimated from the last queries, skipping the rest of the attention matrix.",
-                   "MInference is a prefill policy that needs a layer's whole prompt at once; chunked mode "
-                   "prefills block by block: choose gpu or layerwise."),
-    "xattention": ("XAttention", ("gpu", "layerwise"),
-                   "Prefill policy: scores attention blocks by the sums of their antidiagonals and computes only "
-                   "the blocks needed to reach the threshold of attention mass.",
-                   "XAttention is a prefill policy that needs a layer's whole prompt at once; chunked mode "
-                   "prefills block by block: choose gpu or layerwise."),
-}
+
+
+def _why_not(spec: PolicySpec) -> str:
+    if not spec.why_not:
+        return ""
+    return f"{spec.title} runs in {' or '.join(spec.modes)} mode only: {spec.why_not}."
+
+
+# key: (shown name, modes it works in, what it does, why it is unavailable elsewhere), from engine.sparse.SPECS
+POLICIES = {name: (spec.title, tuple(spec.modes), spec.help, _why_not(spec)) for name, spec in SPECS.items()}
 BLOCK_SIZES = [2**i for i in range(4, 13)]   # 16 .. 4096
-QUEST_PAGE_SIZES = [16, 32, 64]
-XATTENTION_STRIDES = [4, 8, 16, 32, 64]      # divisors of XAttention's 128-token block
-DENSE_BELOW_TIP = ("Prompts (keys of a layer) shorter than this many tokens use dense prefill: sparsity only pays "
-                   "off on long prompts.")
 DEFAULT_MODEL = "default: SmolLM2-135M-Instruct"
 BUSY_TEXT = "A turn is running: changes apply at the next turn."
-
-
-def _spin(lo: int, hi: int, value: int, step: int = 1, tip: str = "", suffix: str = "") -> QSpinBox:
-    box = QSpinBox(minimum=lo, maximum=hi, value=value, singleStep=step, suffix=suffix)
-    box.setToolTip(tip)
-    return box
 
 
 def _dspin(lo: float, hi: float, value: float, step: float, decimals: int, tip: str = "",
            suffix: str = "") -> QDoubleSpinBox:
     box = QDoubleSpinBox(minimum=lo, maximum=hi, value=value, singleStep=step, decimals=decimals, suffix=suffix)
-    box.setToolTip(tip)
-    return box
-
-
-def _combo(values: list[int], value: int, tip: str) -> QComboBox:
-    box = QComboBox()
-    for v in values:
-        box.addItem(str(v), v)
-    box.setCurrentIndex(values.index(value))
     box.setToolTip(tip)
     return box
 
@@ -132,9 +107,9 @@ class PolicyPanel(QWidget):
         for i, (mode, tip) in enumerate(MODES.items()):
             self.mode_combo.addItem(mode, mode)
             self.mode_combo.setItemData(i, tip, Qt.ItemDataRole.ToolTipRole)
-        self.ring_slots = _spin(1, 8, 3, tip="Device buffers in the ring: whole layers (layerwise) or blocks "
-                                "(chunked). More slots hide more copy latency and cost device memory; 2-4 "
-                                "is usually enough.")
+        self.ring_slots = spin_box(1, 8, 3, tip="Device buffers in the ring: whole layers (layerwise) or blocks "
+                                   "(chunked). More slots hide more copy latency and cost device memory; 2-4 "
+                                   "is usually enough.")
         self.budget_check = QCheckBox("limit")
         self.budget_gb = _dspin(0.1, 1024.0, 4.0, 0.5, 1, suffix=" GB",
                                 tip="Device memory for KV in layerwise mode: as many layers as fit stay resident "
@@ -143,11 +118,12 @@ class PolicyPanel(QWidget):
         self.host_gb = _dspin(0.5, 4096.0, 16.0, 1.0, 1, suffix=" GB",
                               tip="Size of the pinned host KV pool. Unchecked: enough for one sequence of the "
                                   "model's context length. A pool larger than free RAM is refused.")
-        self.block_size = _combo(BLOCK_SIZES, 256, "Tokens per KV block (16-4096, powers of two): the prefix "
-                                 "cache's granularity, and in chunked mode also the chunk size. Larger blocks "
-                                 "mean fewer, bigger copies; 256 is a good default.")
-        self.prefill_chunk = _spin(256, 1048576, 8192, 1024, tip="Layerwise prefill: prompt rows per QKV/MLP "
-                                   "chunk. Bounds activation memory on long prompts; 4096-16384 is typical.")
+        self.block_size = combo_box(BLOCK_SIZES, 256, "Tokens per KV block (16-4096, powers of two): the prefix "
+                                    "cache's granularity, and in chunked mode also the chunk size. Larger blocks "
+                                    "mean fewer, bigger copies; 256 is a good default.")
+        self.prefill_chunk = spin_box(256, 1048576, 8192, 1024, tip="Layerwise prefill: prompt rows per "
+                                      "QKV/MLP chunk. Bounds activation memory on long prompts; 4096-16384 is "
+                                      "typical.")
         self._budget_row = self._with_check(self.budget_check, self.budget_gb)
         self._host_row = self._with_check(self.host_check, self.host_gb)
         form.addRow("Mode", self.mode_combo)
@@ -181,53 +157,12 @@ class PolicyPanel(QWidget):
         box = QGroupBox("Sparse attention policy")
         form = QFormLayout(box)
         self.policy_combo = QComboBox()
-        for key, (name, _modes, tip, _why) in POLICIES.items():
-            self.policy_combo.addItem(name, key)
+        for key, spec in SPECS.items():
+            self.policy_combo.addItem(spec.title, key)
         self.policy_combo.currentIndexChanged.connect(self._on_policy_changed)
-        self.params_stack = QStackedWidget()
-        self._params: dict[str, dict[str, QWidget]] = {
-            "full": {},
-            "quest": {
-                "token_budget": _spin(256, 65536, 2048, 256, tip="KV tokens loaded per decode step and head "
-                                      "(rounded to pages). Smaller = faster, less exact; 1024-4096 is typical."),
-                "page_size": _combo(QUEST_PAGE_SIZES, 16, "Tokens per Quest page, the unit whose key min/max "
-                                    "bounds are scored. Smaller pages select more precisely, cost more metadata."),
-                "dense_layers": _spin(0, 8, 2, tip="The first layers attend densely (their attention is spread "
-                                      "out, so page selection hurts them most). 2 is the usual choice."),
-            },
-            "minference": {
-                "vertical": _dspin(0.01, 1048576, 1000, 100, 2, tip="Key columns (vertical lines) every query "
-                                   "attends to, picked from the last 64 queries' scores (the first 64 always): a "
-                                   "count, or a fraction of the prompt if at most 1. Typical 500-2000."),
-                "slash": _dspin(0.01, 1048576, 6096, 256, 2, tip="Diagonals (slash lines: fixed query-key "
-                                "distances) every query attends to (the nearest 128 always): a count, or a "
-                                "fraction of the prompt if at most 1. Typical 2000-8000."),
-                "min_len": _spin(1, 1048576, 8192, 1024, tip=DENSE_BELOW_TIP),
-            },
-            "xattention": {
-                "threshold": _dspin(0.01, 1.0, 0.9, 0.05, 2, tip="Tau: keep the highest-scoring key blocks of "
-                                    "each query block until they hold this share of the attention mass. Higher = "
-                                    "more exact, slower; 0.8-0.95 is typical."),
-                "stride": _combo(XATTENTION_STRIDES, 16, "Antidiagonal stride used to score the 128-token "
-                                 "blocks (it divides the block): larger is cheaper to score and coarser. 8 or 16 "
-                                 "is typical."),
-                "min_len": _spin(1, 1048576, 8192, 1024, tip=DENSE_BELOW_TIP),
-            },
-        }
-        labels = {"token_budget": "Token budget", "page_size": "Page size", "dense_layers": "Dense layers",
-                  "vertical": "Vertical lines", "slash": "Slash lines", "min_len": "Dense below (tokens)",
-                  "threshold": "Threshold τ", "stride": "Stride"}
-        for key, params in self._params.items():
-            page = QWidget()
-            page_form = QFormLayout(page)
-            page_form.setContentsMargins(0, 0, 0, 0)
-            if not params:
-                page_form.addRow(QLabel("No parameters: every token is attended to."))
-            for name, w in params.items():
-                page_form.addRow(labels[name], w)
-                signal = w.currentIndexChanged if isinstance(w, QComboBox) else w.valueChanged
-                signal.connect(self._changed)
-            self.params_stack.addWidget(page)
+        self.params_stack = PolicyForm()                      # one page per policy, in the combo's order
+        self.params_stack.changed.connect(self._changed)
+        self._params = self.params_stack.editors              # policy -> shown parameter -> its editor
         form.addRow("Policy", self.policy_combo)
         form.addRow(self.params_stack)
         return box
@@ -332,8 +267,7 @@ class PolicyPanel(QWidget):
             cfg["prefill_chunk_tokens"] = self.prefill_chunk.value()
             if self.budget_check.isChecked():
                 cfg["gpu_kv_budget_gb"] = self.budget_gb.value()
-        params = {name: (w.currentData() if isinstance(w, QComboBox) else w.value())
-                  for name, w in self._params[self.policy()].items()}
+        params = self.params_stack.values(self.policy())   # shown ones only
         cfg.update(policy=self.policy(), policy_params=params)
         return cfg
 
@@ -358,13 +292,8 @@ class PolicyPanel(QWidget):
                         box.setValue(float(config[key]))
             if "policy" in config:
                 self.policy_combo.setCurrentIndex(max(0, self.policy_combo.findData(config["policy"])))
-            params = self._params[self.policy()]
-            for name, value in (config.get("policy_params") or {}).items():
-                w = params.get(name)
-                if isinstance(w, QComboBox):
-                    w.setCurrentIndex(max(0, w.findData(value)))
-                elif w is not None:
-                    w.setValue(value)
+            # a hidden parameter keeps the engine's default
+            self.params_stack.set_values(self.policy(), config.get("policy_params") or {})
             self._update_availability()
         finally:
             self._quiet -= 1

@@ -1,33 +1,43 @@
 """The Llama family as our own torch modules: Llama 2/3.x (rope scaling), SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-Tokens are flattened across sequences ([T, hidden], varlen style); AttnMetadata says where each belongs.
-q/k/v and gate/up projections are fused into one matmul each; the loader fuses the checkpoint's tensors.
-Layers are reachable one by one (embed, layers[i], final norm, logits) so the offload modes can drive them.
+Tokens are flattened across sequences ([T, hidden], varlen style). The decoder layer's math exists here once,
+split where the KV cache steps in: `pre_attention` (input norm with the residual add, q/k/v projections,
+q/k norm, rotary) -> attention, supplied by the caller (paged attention in gpu mode, a ring buffer in the
+offload modes, a CUDA graph's static buffers) -> `post_attention` (o_proj, post norm with the residual add,
+MLP). `qkv_rows` / `post_rows` run the same two halves in chunks of rows, in place, to bound activation
+memory on long prompts. q/k/v and gate/up projections are fused into one matmul each; the loader fuses the
+checkpoint's tensors.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from engine.layers.attention import PagedAttention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.ops.fused import qk_norm_rope, rope, silu_mul
-from engine.trace.events import COMPUTE
-from engine.trace.recorder import NULL_RECORDER
 from engine.models.registry import ModelArgs
-from engine.ops.attention import AttnMetadata, default_scale
+from engine.ops.attention import default_scale
+from engine.ops.fused import qk_norm_rope, rope, silu_mul
+from engine.step import StepContext
+from engine.trace.events import COMPUTE
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, q, k, v) -> o
+StoreKV = Callable[[torch.Tensor, torch.Tensor, int, int], None]                 # (k, v, first row, end row)
 
 
 class Attention(nn.Module):
+    """The attention block's weights (the attention itself is the caller's: it knows where KV lives)."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.nq, self.nkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
+        self.scale = default_scale(self.d)
         self.qkv_proj = nn.Linear(a.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=a.attention_bias)
         self.o_proj = nn.Linear(self.nq * self.d, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
-        self.attn = PagedAttention(self.nq, self.nkv, self.d, default_scale(self.d))
 
     def project(self, x: torch.Tensor, cos_sin):
         """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] with norms and rotary applied."""
@@ -38,10 +48,6 @@ class Attention(nn.Module):
         else:
             q, k = rope(q, k, *cos_sin)
         return q, k, v
-
-    def forward(self, x: torch.Tensor, cos_sin, meta: AttnMetadata) -> torch.Tensor:
-        q, k, v = self.project(x, cos_sin)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
 
 
 class MLP(nn.Module):
@@ -62,20 +68,43 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def attention(self, h, residual, cos_sin, meta):
-        """(h, residual) -> (attention output, residual); the residual add is fused into the norm."""
+    def pre_attention(self, h: torch.Tensor, residual: torch.Tensor | None, cos_sin):
+        """(h, residual) -> (q, k, v, residual): the input norm fused with the residual add (None: the first
+        layer, whose residual is h itself), then q/k/v with their norms and rotary."""
         if residual is None:
-            h, residual = self.input_layernorm(h), h
+            x, residual = self.input_layernorm(h), h
         else:
-            h, residual = self.input_layernorm(h, residual)
-        return self.self_attn(h, cos_sin, meta), residual
+            x, residual = self.input_layernorm(h, residual)
+        q, k, v = self.self_attn.project(x, cos_sin)
+        return q, k, v, residual
 
-    def feed_forward(self, h, residual):
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor):
+        """Attention output o [T, Hq, D] -> (h, residual): o_proj, the post norm fused with the residual add, MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o.flatten(1)), residual)
+        return self.mlp(x), residual
 
-    def forward(self, h, residual, cos_sin, meta):
-        return self.feed_forward(*self.attention(h, residual, cos_sin, meta))
+    def qkv_rows(self, h: torch.Tensor, residual: torch.Tensor, cos_sin, store: StoreKV, chunk: int = 0):
+        """`pre_attention` over rows in chunks of `chunk` (0: all at once), updating `residual` in place; each
+        chunk's k, v go to store(k, v, first, end). -> q [T, Hq, D]."""
+        T, step = h.shape[0], chunk or h.shape[0]
+        q = None
+        for a in range(0, T, step):
+            b = min(T, a + step)
+            qa, k, v, residual[a:b] = self.pre_attention(h[a:b], residual[a:b], (cos_sin[0][a:b], cos_sin[1][a:b]))
+            store(k, v, a, b)
+            if step >= T:
+                return qa
+            if q is None:
+                q = torch.empty((T, *qa.shape[1:]), dtype=qa.dtype, device=qa.device)
+            q[a:b] = qa
+        return q
+
+    def post_rows(self, o: torch.Tensor, h: torch.Tensor, residual: torch.Tensor, chunk: int = 0) -> None:
+        """`post_attention` over rows in chunks of `chunk` (0: all at once), in place in h and residual."""
+        T, step = h.shape[0], chunk or h.shape[0]
+        for a in range(0, T, step):
+            b = min(T, a + step)
+            h[a:b], residual[a:b] = self.post_attention(o[a:b], residual[a:b])
 
 
 class CausalLM(nn.Module):
@@ -89,23 +118,23 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.recorder = NULL_RECORDER  # set by the model runner; spans per layer (attention, MLP)
-        self.task = None               # an engine.control.TaskState while a request runs: cancel and progress
         self.layer_names = [f"layer {i}" for i in range(a.num_layers)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """-> final hidden states [T, hidden] (normed). Call `logits` on the rows you need."""
-        rec = self.recorder
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, ctx: StepContext
+                ) -> torch.Tensor:
+        """All layers over the whole batch, attention by `attend(layer, q, k, v)` -> final hidden states
+        [T, hidden] (normed). Call `logits` on the rows you need."""
+        rec = ctx.recorder
         h, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             with rec.span(COMPUTE, self.layer_names[i], i):
                 with rec.span(COMPUTE, "attention", i):
-                    h, residual = layer.attention(h, residual, cos_sin, meta)
+                    q, k, v, residual = layer.pre_attention(h, residual, cos_sin)
+                    o = attend(i, q, k, v)
                 with rec.span(COMPUTE, "mlp", i):
-                    h, residual = layer.feed_forward(h, residual)
-            if self.task is not None:
-                self.task.layer_done(i + 1, len(self.layers))
+                    h, residual = layer.post_attention(o, residual)
+            ctx.layer_done(i + 1, len(self.layers))
         return self.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -101,10 +101,3 @@ def read_config(model_dir: Path) -> ModelArgs:
         raise ModelError(f"{path}: cannot be read as JSON ({e}); the file may be corrupt") from None
     return parse_config(cfg, str(path))
 
-
-def shape_config(name: str) -> dict:
-    """Public config.json values of a real model (shared/model_shapes.json) for random-weight benchmarks."""
-    from engine.shapes import MODEL_SHAPES
-    if name not in MODEL_SHAPES:
-        raise ModelError(f"unknown shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
-    return MODEL_SHAPES[name]

@@ -9,9 +9,9 @@ the whole chunk, so the next layer's first blocks load while this layer computes
 Activation memory is bounded by one block, but every chunk re-reads all earlier blocks of every layer:
 prefill moves L * block_bytes * C(C-1)/2 bytes host -> device for C chunks. Decode is the one-token chunk.
 
-With Quest, a decode step streams, for each sparse layer, the pages its previous step's query chose, packed per
-kv head into one-block slots by the page gather, plus the newest full block whole (layerwise mode's scheme:
-the loads are issued before the layer's query exists).
+With a load-planning policy (Quest), a decode step streams for each layer what the policy plans: its pages,
+packed per kv head into one-block slots by the page gather (the loads are issued before the layer's query
+exists, as in layerwise mode); the policy then sees the layer's query.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from engine.ops.attention import attention_lse, lse_output, merge_lse
 from engine.offload.runner import OffloadRunner
 from engine.offload.streams import wait_on
 from engine.sequence import Sequence
+from engine.step import StepContext
 from engine.trace.events import COMPUTE, COMPUTING
 
 
@@ -29,7 +30,7 @@ class ChunkedRunner(OffloadRunner):
         self._pos = 0  # ring position, continuing across chunks and steps
         return self._engine(self.config.ring_slots, 1)
 
-    def forward(self, seq: Sequence, is_prefill: bool):
+    def forward(self, seq: Sequence, is_prefill: bool, ctx: StepContext):
         bs = self.block_size
         start = seq.num_cached_tokens if is_prefill else len(seq) - 1
         end = len(seq)
@@ -38,76 +39,73 @@ class ChunkedRunner(OffloadRunner):
         self._progress = (0, len(chunks) * len(self.model.layers))
         while a < end:
             b = min(end, (a // bs + 1) * bs)
-            out = self._chunk(seq, a, b, is_prefill)
+            out = self._chunk(seq, a, b, is_prefill, ctx)
             a = b
         return out
 
-    def _chunk(self, seq: Sequence, a: int, b: int, is_prefill: bool):
+    def _chunk(self, seq: Sequence, a: int, b: int, is_prefill: bool, ctx: StepContext):
         """Positions a..b-1 (inside one block) through every layer -> logits of the last one."""
-        oe, bs, rec, model = self.oe, self.block_size, self.recorder, self.model
+        oe, bs, rec, model, policy = self.oe, self.block_size, ctx.recorder, self.model, self.policy
         cb, off = a // bs, a % bs
         earlier = seq.block_table[:cb]
-        if is_prefill and a == seq.num_cached_tokens:
-            self._chosen.clear()                        # a new sequence: selections come from its own queries
-        self._table_to_device(seq.block_table)
+        observe = policy.plans_loads and not is_prefill
         loads, at = [], []                              # at[l]: index of layer l's first load
         for l in range(len(model.layers)):
             at.append(len(loads))
-            loads += self._layer_loads(l, earlier, is_prefill)
+            loads += self._layer_loads(l, earlier, is_prefill, ctx)
         at.append(len(loads))
         N = oe.ring_slots
         first = self._pos
         for i in range(min(N, len(loads))):
             self._issue((first + i) % N, loads[i])
-        h, residual, pos, (cos, sin) = self._inputs(seq, a, b)
+        h, residual, pos, cos_sin = self._inputs(seq, a, b)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
                 with rec.span(COMPUTE, "attention", l):
-                    q, k, v = self._project(layer, h, residual, cos, sin, 0, b - a)
                     if off == 0:  # a new block: its previous contents must have left for the host
                         wait_on(oe.dbuf_read[l], self.device, rec, l)
                     own = oe.dbuf[l]                                        # [2, Hkv, bs, D]
-                    own[0, :, off:off + b - a] = k.transpose(0, 1)
-                    own[1, :, off:off + b - a] = v.transpose(0, 1)
+
+                    def store(k, v, r0, r1):
+                        own[0, :, off + r0:off + r1] = k.transpose(0, 1)
+                        own[1, :, off + r0:off + r1] = v.transpose(0, 1)
+                    q = layer.qkv_rows(h, residual, cos_sin, store)
                     o, lse = attention_lse(q, own[0, :, :b - cb * bs], own[1, :, :b - cb * bs], self.scale, causal=True)
                     for i in range(at[l], at[l + 1]):
-                        o, lse = self._earlier_block(seq, q, o, lse, loads, first, i)
-                self._finish_layer(layer, h, residual, lse_output(o, q.dtype), l)
+                        o, lse = self._earlier_block(q, o, lse, loads, first, i, rec)
+                with rec.span(COMPUTE, "mlp", l):
+                    layer.post_rows(lse_output(o, q.dtype), h, residual)
                 if b % bs == 0:
                     oe.offload_dbuf(l, seq.block_table[cb])
-                    hook = self.policy.on_prefill_offload if is_prefill else self.policy.on_decode_offload
-                    hook(seq.block_table[cb], l, own[0], bs)
-                if self._quest is not None and not is_prefill:
-                    self._select(l, q[-1], max(0, b // bs - 1))
-            if model.task is not None:
-                done, total = self._progress
-                self._progress = (done + 1, total)
-                model.task.layer_done(done + 1, total)
+                    policy.on_kv_written(l, seq.block_table[cb], own[0])
+                if observe:
+                    policy.observe_query(l, q[-1], max(0, b // bs - 1), ctx)
+            done, total = self._progress
+            self._progress = (done + 1, total)
+            ctx.layer_done(done + 1, total)
         self._pos = first + len(loads)
-        return self._logits(h, residual)
+        return self._logits(h, residual, ctx)
 
-    def _layer_loads(self, layer: int, earlier: list[int], is_prefill: bool) -> list[tuple]:
-        """What layer `layer` streams: each earlier block, or (Quest) its chosen pages in one-block packs and the
-        newest block."""
-        quest = self._quest
-        chosen = None if quest is None or is_prefill else self._chosen.get(layer)
-        if chosen is None or not quest.applies(layer, len(earlier)):
+    def _layer_loads(self, layer: int, earlier: list[int], is_prefill: bool, ctx: StepContext) -> list[tuple]:
+        """What layer `layer` streams: each earlier block, or the policy's planned pages in one-block packs."""
+        plan = None
+        if self.policy.plans_loads and not is_prefill and earlier:
+            plan = self.policy.plan_load(layer, len(earlier), ctx)
+        if plan is None:
             return [(layer, blk) for blk in earlier]
-        ppb = quest.pages_per_block
-        packs = [(layer, chosen[:, j:j + ppb]) for j in range(0, chosen.shape[1], ppb)]
-        return packs + [(layer, earlier[-1])]
+        ppb = self.block_size // plan.page_size
+        return [(layer, plan.pages[:, j:j + ppb], plan.page_size) for j in range(0, plan.pages.shape[1], ppb)]
 
     def _issue(self, slot: int, item: tuple) -> None:
-        layer, what = item
-        if isinstance(what, int):
-            self.oe.load(slot, layer, [what])
+        if len(item) == 2:
+            self.oe.load(slot, item[0], [item[1]])
         else:
-            self.oe.load_pages(slot, layer, what, self._quest.page_size)
+            self.oe.load_pages(slot, item[0], item[1], item[2])
 
-    def _earlier_block(self, seq, q, o, lse, loads, first: int, i: int):
+    def _earlier_block(self, q, o, lse, loads, first: int, i: int, rec):
         """Attend to the i-th load of this chunk (an earlier block or a pack of pages), then hand its slot to
         load i + N."""
-        oe, N, rec = self.oe, self.oe.ring_slots, self.recorder
+        oe, N = self.oe, self.oe.ring_slots
         layer = loads[i][0]
         slot = (first + i) % N
         for ev in oe.ready(slot):

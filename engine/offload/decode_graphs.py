@@ -4,50 +4,77 @@ At batch 1 a decode layer is ~15 small kernels (norm, qkv, q/k norm + rope, KV s
 reduce, o_proj, norm, MLP) whose launches cost more host time than their GPU time: measured on an H100 at 32K
 tokens with Quest, ~2 ms of Python and launches per layer, 21 ms of GPU work per 36-layer step against 76 ms of
 host time. A graph replays them in one launch. Everything around the compute stays eager and per step: waits
-on the copy events, the partly filled block copied in, the offloads, Quest's selection, the prefetches.
+on the copy events, the partly filled block copied in, the offloads, the policy's planning, the prefetches.
 
-Inputs are static tensors the step fills before the replays: hidden state and residual (updated in place layer
-after layer), rotary cos/sin, and per layout a [3] meta row (block position of the new token in the buffer, its
-offset in the block, the context length the attention sees): row 0 for buffers holding whole blocks, row 1 for
-buffers packed by Quest's page gather. q comes out in a static tensor (Quest selects with it).
+The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
+`post_rows`) over static tensors the step fills before the replays: hidden state and residual (updated in place
+layer after layer), rotary cos/sin, and per layout a [3] meta row (block position of the new token in the
+buffer, its offset in the block, the context length the attention sees): row 0 for buffers holding whole
+blocks, row 1 for buffers packed by a page gather. A meta row is staged through a small ring of pinned host
+rows and copied with non_blocking=True: no host sync in the layer loop. q comes out in a static tensor (the
+policy observes it).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from engine.ops.attention import decode_attention
-from engine.trace.recorder import NULL_RECORDER
+from engine.models.llama import CausalLM
+from engine.ops.attention import decode_attention, store_kv
+
+STAGING_ROWS = 64   # pinned rows reused round robin: a step stages at most a few, and each step ends in a sync
 
 
 class DecodeGraphs:
-    def __init__(self, runner):
-        a, dev, dt = runner.args, runner.device, runner.dtype
-        self.runner = runner
+    def __init__(self, model: CausalLM, kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 table: torch.Tensor, block_size: int, chunk_tokens: int = 0):
+        """kv_views(buf) -> K, V of a buffer as [blocks, offset, head, dim] views; table [1, blocks] int32 is the
+        identity block table of a buffer."""
+        a = model.args
+        p = model.embed_tokens.weight
+        dev, dt = p.device, p.dtype
+        self.model, self.kv_views, self.table, self.chunk = model, kv_views, table, chunk_tokens
+        self.block_size = block_size
+        self.scale = model.layers[0].self_attn.scale
         self.h = torch.zeros(1, a.hidden_size, dtype=dt, device=dev)
         self.residual = torch.zeros_like(self.h)
         self.cos = torch.zeros(1, 1, a.head_dim, dtype=dt, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.q = torch.zeros(1, a.num_heads, a.head_dim, dtype=dt, device=dev)
         self.meta = torch.zeros(2, 3, dtype=torch.long, device=dev)
+        self._staging = torch.zeros(STAGING_ROWS, 3, dtype=torch.long, pin_memory=True)
+        self._next_row = 0
+        self._meta_now: list[tuple | None] = [None, None]    # what each meta row holds (host copy)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self._meta_set: set[int] = set()
         self._warm: set[tuple[int, int, int]] = set()
+        self._step: tuple[int, int, int] = (0, 0, 0)
 
-    def begin(self, h, residual, cos, sin) -> None:
-        """A new decode step: its inputs into the static tensors."""
+    def begin(self, h, residual, cos_sin, n_host: int, offset: int, end: int) -> None:
+        """A new decode step: its inputs into the static tensors; n_host full blocks precede the new token at
+        `offset` in its block, `end` tokens in all."""
         self.h.copy_(h)
         self.residual.copy_(residual)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-        self._meta_set.clear()
+        self.cos.copy_(cos_sin[0])
+        self.sin.copy_(cos_sin[1])
+        self._step = (n_host, offset, end)
 
-    def run(self, layer: int, buf: int, packed: bool, at: int, offset: int, context: int) -> torch.Tensor:
-        """Replay (capturing on first use) the layer's compute over buffer `buf`; -> q [1, Hq, D] (static)."""
-        v = int(packed)
-        if v not in self._meta_set:       # one small copy per layout and step
-            self.meta[v].copy_(torch.tensor([at, offset, context]))
-            self._meta_set.add(v)
+    def _set_meta(self, v: int, at: int) -> None:
+        n_host, offset, end = self._step
+        want = (at, offset, end - (n_host - at) * self.block_size)
+        if self._meta_now[v] != want:
+            row = self._staging[self._next_row]
+            self._next_row = (self._next_row + 1) % STAGING_ROWS
+            row[0], row[1], row[2] = want
+            self.meta[v].copy_(row, non_blocking=True)
+            self._meta_now[v] = want
+
+    def run(self, layer: int, buf: int, at: int) -> torch.Tensor:
+        """Replay (capturing on first use) the layer's compute over buffer `buf`, whose block `at` holds the new
+        token (at < n_host: the buffer is packed by pages); -> q [1, Hq, D] (static)."""
+        v = int(at != self._step[0])
+        self._set_meta(v, at)
         key = (layer, buf, v)
         graph = self.graphs.get(key)
         if graph is None and key not in self._warm:   # first time: eager (compiles what the capture will record)
@@ -55,27 +82,19 @@ class DecodeGraphs:
             self._body(layer, buf, v)
             return self.q
         if graph is None:
-            graph = self.graphs[key] = self._capture(layer, buf, v)
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._body(layer, buf, v)
+            self.pool = graph.pool()
         graph.replay()
         return self.q
 
     def _body(self, layer: int, buf: int, v: int) -> None:
-        r = self.runner
-        K, V = r.oe.kv_views(buf)
-        mod = r.model.layers[layer]
-        q = r._qkv(mod, self.h, self.residual, self.cos, self.sin, K, V, self.meta[v, :2, None])
+        K, V = self.kv_views(buf)
+        mod = self.model.layers[layer]
+        slots = self.meta[v, :2, None]
+        q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin),
+                         lambda k, v_, a, b: store_kv(k, v_, K, V, slots), self.chunk)
         self.q.copy_(q)
-        o = decode_attention(q, K, V, r.table, self.meta[v, 2:3], r.scale)
-        r._finish_layer(mod, self.h, self.residual, o, layer)
-
-    def _capture(self, layer: int, buf: int, v: int) -> torch.cuda.CUDAGraph:
-        r = self.runner
-        rec, r._recorder = r._recorder, NULL_RECORDER   # no spans (CUDA events) inside a capture
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._body(layer, buf, v)
-        finally:
-            r._recorder = rec
-        self.pool = graph.pool()
-        return graph
+        o = decode_attention(q, K, V, self.table, self.meta[v, 2:3], self.scale)
+        mod.post_rows(o, self.h, self.residual, self.chunk)

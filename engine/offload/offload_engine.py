@@ -17,8 +17,8 @@ not read before they are written). The compute stream waits for `loaded` (see st
 """
 from __future__ import annotations
 
-import sys
 import warnings
+import weakref
 
 import torch
 
@@ -54,12 +54,12 @@ def available_host_memory() -> int | None:
 class OffloadEngine:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, host_blocks: int, ring_slots: int, slot_blocks: int,
-                 resident_layers: tuple[int, ...] = (), recorder: Recorder = NULL_RECORDER):
+                 resident_layers: tuple[int, ...] = ()):
         self.L, self.block_size, self.dtype, self.device = num_layers, block_size, dtype, device
         self.block_shape = (2, num_kv_heads, block_size, head_dim)
         self.block_bytes = 2 * num_kv_heads * block_size * head_dim * dtype.itemsize  # one block of one layer
         self.host_blocks, self.slot_blocks = host_blocks, slot_blocks
-        self.recorder = recorder
+        self.recorder: Recorder = NULL_RECORDER   # the running step's (the runner hands it over each step)
         self.host = self._allocate_host((num_layers, host_blocks, *self.block_shape))
         try:
             self.buffers = [torch.zeros((slot_blocks, *self.block_shape), dtype=dtype, device=device)
@@ -100,12 +100,18 @@ class OffloadEngine:
             return host
         # Pin by registering the allocation: torch's pinned allocator rounds sizes up to a power of two (a 72 GiB
         # pool would ask for 128 GiB and fail), cudaHostRegister pins exactly what is there.
-        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 3)  # portable | mapped
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 3)  # portable | mapped
         if int(err) != 0:
+            cudart.cudaGetLastError()   # clear it: torch would raise it at its next CUDA call
             warnings.warn(f"could not pin {nbytes / 2**30:.1f} GiB of host memory (CUDA error {int(err)}); using "
                           "pageable memory: host-device copies will be about 3x slower and synchronous", stacklevel=2)
         else:
             self._registered = host
+            # close() unregisters; should an engine be dropped unclosed, the registration still goes with it,
+            # before its memory is freed (a later pool at the same address could not be pinned otherwise)
+            self._unpin = weakref.finalize(self, cudart.cudaHostUnregister, host.data_ptr())
+            self._unpin.atexit = False
         return host
 
     # ---------------------------------------------------------------- views
@@ -248,22 +254,14 @@ class OffloadEngine:
         self.d2h.synchronize()
 
     def close(self) -> None:
-        """Finish the copies, stop the copy threads, unpin the host pool (also when the engine is collected)."""
-        if getattr(self, "_closed", True):
+        """Finish the copies, join the copy threads, unpin the host pool. Idempotent."""
+        if self._closed:
             return
         self._closed = True
         if self.device.type == "cuda":  # copies in flight must land before the pool is unpinned
-            self.synchronize()       # (CPU copy threads finish their queue, then stop: no waiting here)
+            self.synchronize()
         self.h2d.close()
         self.d2h.close()
         if getattr(self, "_registered", None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
+            self._unpin()                 # cudaHostUnregister, once
             self._registered = None
-
-    def __del__(self):
-        if sys.is_finalizing():  # threads and CUDA may be gone already
-            return
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

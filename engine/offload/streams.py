@@ -111,8 +111,10 @@ class CopyStream:
             marker.wait()
 
     def close(self) -> None:
-        if not self.cuda:
+        """CPU: the thread finishes the jobs queued, then ends; this waits for it."""
+        if not self.cuda and self._thread.is_alive():
             self._jobs.put(None)
+            self._thread.join()
 
 
 def compute_done(device: torch.device):

@@ -29,6 +29,7 @@ import xxhash
 from engine.offload.storage import KVStore, PageFormat, StoreWriter, chain_keys, default_store_dir
 from engine.sequence import Sequence
 from engine.trace.events import HOST, Span
+from engine.trace.recorder import NULL_RECORDER, Recorder
 
 _SAMPLE = 1 << 20   # bytes hashed from each end of a weight file
 READERS = 8         # pages read (and checksummed) in parallel
@@ -53,10 +54,10 @@ def model_identity(model_dir: Path | None, name: str, policy: str, params: dict,
 
 
 class DiskTier:
-    def __init__(self, store: KVStore, runner, block_manager, recorder_of):
-        self.store, self.runner, self.bm = store, runner, block_manager
+    def __init__(self, store: KVStore, kv, block_manager):
+        """kv: the runner's KV memory (`block(id)` views, `written(ids)`, `sync()`; engine/runner.py)."""
+        self.store, self.kv, self.bm = store, kv, block_manager
         self.writer = StoreWriter(store, max_pending=0)   # unbounded: a submit never makes the engine wait
-        self._recorder_of = recorder_of      # -> the engine's current recorder
         self._keys: dict[int, list[str]] = {}     # seq id -> keys of its full blocks so far
         self._written: dict[int, int] = {}        # seq id -> full blocks handed to the writer
         self.read_bytes, self.read_s = 0, 0.0     # what fill() read, and how long it took (tools/disk_tier_ttft.py)
@@ -74,7 +75,7 @@ class DiskTier:
         return keys
 
     # ------------------------------------------------------------------ read
-    def fill(self, seq: Sequence) -> Span | None:
+    def fill(self, seq: Sequence, rec: Recorder = NULL_RECORDER) -> Span | None:
         """Read the prompt's next full blocks from disk into its blocks (counted in seq.num_cached_tokens and
         seq.disk_cached_tokens); -> the trace span of the read (None when nothing was read or nothing records)."""
         bs = self.fmt.page_size
@@ -82,7 +83,6 @@ class DiskTier:
         if first >= last or not self.store.enabled:
             return None
         keys = self._keys_for(seq, last)
-        rec = self._recorder_of()
         t0, us0 = time.perf_counter(), rec.now_us() if rec.enabled else 0.0
         n, nxt, ahead = 0, first, deque()
         with ThreadPoolExecutor(READERS) as pool:   # reads and checksums run ahead in parallel; copies in order
@@ -93,12 +93,12 @@ class DiskTier:
                 page = ahead.popleft().result() if ahead else None
                 if page is None:                     # missing or bad: the rest of the prompt is computed
                     break
-                self.runner.kv_block(seq.block_table[first + n]).copy_(page)
+                self.kv.block(seq.block_table[first + n]).copy_(page)
                 n += 1
             for f in ahead:
                 f.cancel()
         if n:
-            self.runner.kv_written(seq.block_table[first:first + n])
+            self.kv.written(seq.block_table[first:first + n])
             seq.num_cached_tokens += n * bs
             seq.disk_cached_tokens += n * bs
             self.read_bytes += n * self.fmt.nbytes
@@ -119,13 +119,13 @@ class DiskTier:
         if full <= done or not self.store.enabled:
             return
         keys = self._keys_for(seq, full)
-        self.runner.kv_sync()                       # the host copies of these blocks have landed
+        self.kv.sync()                       # the host copies of these blocks have landed
         for i in range(done, full):
             block = seq.block_table[i]
             if self.store.contains(keys[i]):
                 continue
             self.bm.hold(block)
-            self.writer.submit(keys[i], self.runner.kv_block(block), block)
+            self.writer.submit(keys[i], self.kv.block(block), block)
         self._written[seq.seq_id] = full
 
     def poll(self) -> None:
@@ -151,21 +151,9 @@ class DiskTier:
         self.store.close()
 
 
-def kv_identity(llm) -> str:
-    """The namespace identity of an engine's KV: its model, and its policy where that changes prefill KV."""
-    cfg = llm.config
-    name = f"{llm.model_name}, seed {cfg.seed}" if llm.model_dir is None else ""
-    return model_identity(llm.model_dir, name, cfg.policy, cfg.policy_params, llm.runner.policy.supports_prefill)
-
-
-def open_tier(llm) -> DiskTier | None:
-    """The disk KV tier of an engine (config.kv_store: a folder, "default" = default_store_dir()), or None."""
-    cfg = llm.config
-    if not cfg.kv_store:
-        return None
-    a, runner = llm.args, llm.runner
-    fmt = PageFormat(kv_identity(llm), str(llm.dtype).removeprefix("torch."),
-                     (a.num_layers, 2, a.num_kv_heads, runner.block_size, a.head_dim))
-    root = default_store_dir() if cfg.kv_store == "default" else cfg.kv_store
-    return DiskTier(KVStore(root, fmt, int(cfg.kv_store_gb * 2**30)), runner, llm.block_manager,
-                    lambda: llm.recorder)
+def open_tier(root: str, size_gb: float, identity: str, dtype: str, layout: tuple, kv, block_manager) -> DiskTier:
+    """The disk KV tier in folder `root` ("default" = default_store_dir()) for KV of `identity` (model_identity),
+    `dtype` and page `layout` (L, 2, Hkv, block_size, D), reading into and writing from `kv` (the runner)."""
+    fmt = PageFormat(identity, dtype, layout)
+    store = KVStore(default_store_dir() if root == "default" else root, fmt, int(size_gb * 2**30))
+    return DiskTier(store, kv, block_manager)

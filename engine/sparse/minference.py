@@ -17,22 +17,17 @@ import torch
 
 from engine.ops.sparse_prefill import VerticalSlash, vertical_slash_attention
 from engine.sparse.policy import SparsePrefillPolicy
+from engine.sparse.specs import SPECS
 
 
 class MInferencePolicy(SparsePrefillPolicy):
-    name = "minference"
+    spec = SPECS["minference"]
 
-    def __init__(self, vertical: float = 1000, slash: float = 6096, last_q: int = 64, min_len: int = 8192,
-                 sink: int = 64, recent: int = 128, block: int = 64):
-        super().__init__(min_len)
-        for label, x in (("vertical", vertical), ("slash", slash)):
-            if x <= 0:
-                raise ValueError(f"minference {label} budget must be > 0: a count, or a fraction of the keys up to 1 "
-                                 f"(got {x})")
-        if last_q < 16 or block < 16 or block & (block - 1):
-            raise ValueError(f"minference needs last_q >= 16 and a power-of-two block >= 16 (got {last_q}, {block})")
-        self.vertical, self.slash, self.last_q = vertical, slash, last_q
-        self.sink, self.recent, self.block = sink, recent, block
+    def __init__(self, **params):
+        p = self.spec.validate(params)
+        super().__init__(p["min_len"])
+        self.vertical, self.slash, self.last_q = p["vertical"], p["slash"], p["last_q"]
+        self.sink, self.recent, self.block = p["sink"], p["recent"], p["block"]
 
     def budgets(self, tk: int) -> tuple[int, int]:
         """(vertical columns, slash diagonals) per head for tk keys, forced ones included."""
@@ -65,10 +60,10 @@ class MInferencePolicy(SparsePrefillPolicy):
         slash = diag_score.topk(ns, dim=1).indices.sort(dim=1).values.int()
         return VerticalSlash(vertical, slash, self.block)
 
-    def sparse_attention(self, q, k, v, layer_id, scale):
+    def sparse_attention(self, q, k, v, layer, scale):
         pat = self.estimate(q, k, scale)
         return (*vertical_slash_attention(q, k, v, pat, scale), pat)
 
-    def record(self, layer_id, pat: VerticalSlash, density, n):
+    def record(self, recorder, layer, pat: VerticalSlash, density, n):
         for h, dens in enumerate(density):
-            self.recorder.mask_summary(layer_id, h, pat.vertical[h], pat.slash[h], n, dens)
+            recorder.mask_summary(layer, h, pat.vertical[h], pat.slash[h], n, dens)

@@ -1,21 +1,31 @@
-"""The sparse-policy interface and the dense baseline every policy is compared to.
+"""The sparse-policy interface (DESIGN.md §2.3) and the dense baseline every policy is compared to.
 
-The offload modes call a policy at fixed points: `prefill_attention` for a layer's whole prompt,
-`select_blocks` before loading a layer's host blocks at decode (when `requires_block_selection`), and
-`on_prefill_offload` / `on_decode_offload` when a full block leaves the device (its keys still there, as a
-head-major [Hkv, block_size, D] view of the device buffer, post-RoPE: valid until the hook returns).
+A policy decides; a runner executes. The runners call these hooks and know nothing of any policy:
+
+- `prefill_attention(q, k, v, layer, scale, ctx)`: a layer's prefill attention over its whole K, V (compute
+  policies: MInference, XAttention). The default is dense causal attention.
+- `on_kv_written(layer, block_id, keys)`: a full block left the device for the host pool; its post-RoPE keys
+  [Hkv, block_size, D] are on the device until the hook returns (metadata: Quest's key bounds). Blocks read
+  from the disk tier are shown to the policies that plan loads (their keys are copied up for it).
+- At decode, for policies with `plans_loads`: `plan_load(layer, n_blocks, ctx)` says what of the layer's first
+  `n_blocks` host blocks to bring to the device (a `LoadPlan`, or None for all of them), and
+  `observe_query(layer, q, n_blocks, ctx)` shows the policy the layer's query once it exists (Quest chooses
+  its next pages with it). Loads run ahead of the query, so a plan is made from an earlier query.
+- `step_metrics()`: figures of the step that just ran, for its trace (e.g. Quest's recall per layer).
+
+A policy reports what it decided to `ctx.recorder`; it never touches a stream, a ring slot or the host pool.
+Its parameters are declared in engine/sparse/specs.py (`spec`), validated there before it is made.
 """
 from __future__ import annotations
 
-from abc import ABC
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ConfigError
 from engine.ops.attention import causal_attention
 from engine.ops.sparse_prefill import causal_pairs
-from engine.trace.recorder import NULL_RECORDER, Recorder
+from engine.sparse.specs import SPECS, PolicySpec
+from engine.step import QUIET, StepContext
 
 
 @dataclass
@@ -30,34 +40,51 @@ class KVLayout:
 
 
 @dataclass
-class PolicyContext:
-    layer: int
-    query: torch.Tensor | None = None       # decode: [1, Hq, D]
-    context_len: int = 0
-    step: int = 0
-    recorder: Recorder = field(default=NULL_RECORDER)
+class LoadPlan:
+    """What one layer needs on the device at a decode step: `pages` [Hkv, k] global page ids (host block b holds
+    pages b * block_size // page_size + 0, 1, ...), per kv head, the always-kept ones included, in the order they
+    are packed into the buffer (k * page_size must fill whole blocks). `key` names the plan: a buffer that holds
+    it already is not loaded again."""
+    pages: torch.Tensor
+    page_size: int
+    key: tuple
 
 
-class SparsePolicy(ABC):
-    name = "base"
-    supports_prefill = False
-    supports_decode = False
-    requires_block_selection = False
-    one_call_bytes = 2**29  # dense prefill: q up to 512 MiB (32K tokens of Qwen3-4B) in one call, longer per head
-    recorder: Recorder = NULL_RECORDER  # set by the runner: where the policy reports its decisions
+class SparsePolicy:
+    spec: PolicySpec = SPECS["full"]
+    plans_loads = False          # decode: the runner asks plan_load / shows observe_query each layer's query
+    wants_layer_keys = False     # observe_query needs ctx.layer_keys() (all of the layer's keys; slow)
+    one_call_bytes = 2**29       # dense prefill: q up to 512 MiB (32K tokens of Qwen3-4B) in one call
+
+    def __init__(self, **params):
+        self.spec.validate(params)   # a policy without parameters still refuses unknown ones
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def supports_prefill(self) -> bool:
+        """Its prefill differs from dense (so is its prefill KV: the disk tier keeps it apart)."""
+        return self.spec.phase == "prefill"
+
+    def initialize(self, layout: KVLayout) -> None:
+        """After the KV memory is allocated (the engine's, or a new one's)."""
+        self.layout = layout
+
+    def reset(self) -> None:
+        """A new sequence starts (its prefill)."""
 
     def stats(self) -> dict:
         """The policy's figures for the last request (JSON-ready): density, pages selected, ..."""
         return {}
 
-    def initialize(self, layout: KVLayout) -> None:
-        self.layout = layout
+    def step_metrics(self) -> dict:
+        """Figures of the step that just ran, for its trace; read once per step."""
+        return {}
 
-    def reset(self) -> None:
-        pass
-
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                          scale: float) -> torch.Tensor:
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                          ctx: StepContext = QUIET) -> torch.Tensor:
         """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D] -> [Tq, Hq, D], dense causal. q may be
         consumed: a long one is done one kv head (and its query heads) at a time, each result written over its q
         (at 128K tokens of Qwen3-4B that saves a second 1 GiB tensor; 5% slower at 32K, so short ones are not)."""
@@ -69,25 +96,25 @@ class SparsePolicy(ABC):
             q[:, h * g:(h + 1) * g] = causal_attention(q[:, h * g:(h + 1) * g], k[:, h:h + 1], v[:, h:h + 1], scale)
         return q
 
-    def select_blocks(self, blocks: list[int], ctx: PolicyContext) -> list[int]:
-        """The host blocks to load for ctx.layer at decode. Only policies with requires_block_selection choose;
-        callers check that flag first, and asking any other policy is an error that says so."""
-        raise ConfigError(f"the {self.name} policy does not select KV blocks (requires_block_selection is False): "
-                          "load every block instead")
+    def whole_layers(self) -> tuple[int, ...]:
+        """Layers whose whole KV a load-planning policy reads at every decode step (layerwise mode keeps them
+        resident first when a GPU KV budget is given)."""
+        return ()
 
-    def on_prefill_offload(self, block_id: int, layer_id: int, keys: torch.Tensor, valid_tokens: int) -> None:
+    def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor) -> None:
         pass
 
-    def on_decode_offload(self, block_id: int, layer_id: int, keys: torch.Tensor, valid_tokens: int) -> None:
+    def plan_load(self, layer: int, n_blocks: int, ctx: StepContext) -> LoadPlan | None:
+        return None
+
+    def observe_query(self, layer: int, q: torch.Tensor, n_blocks: int, ctx: StepContext) -> None:
         pass
 
 
-def attach(policy: SparsePolicy, args, block_size: int, device, dtype, num_blocks: int,
-           recorder: Recorder) -> SparsePolicy:
-    """Ready `policy` for a model's KV (its layout) and give it the recorder it reports to."""
+def attach(policy: SparsePolicy, args, block_size: int, device, dtype, num_blocks: int) -> SparsePolicy:
+    """Ready `policy` for a model's KV (its layout)."""
     policy.initialize(KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, block_size, device, dtype,
                                num_blocks))
-    policy.recorder = recorder
     return policy
 
 
@@ -96,38 +123,35 @@ class SparsePrefillPolicy(SparsePolicy):
     `min_len` keys or when too few queries are new. Subclasses give `sparse_attention` -> (out, pairs computed
     per head, pattern) and `record` (the pattern and its density per head to the trace); this keeps the density
     per layer of the last prefill."""
-    supports_prefill = True
 
-    def __init__(self, min_len: int):
-        if min_len < 1:
-            raise ValueError(f"min_len must be >= 1 (got {min_len})")
+    def __init__(self, min_len: int):  # noqa: D107 - subclasses validate their parameters against their spec
         self.min_len = min_len
         self._pairs: dict[int, tuple[torch.Tensor, int]] = {}   # layer -> (pairs per head, dense causal pairs)
 
     def reset(self) -> None:
         self._pairs.clear()
 
-    def sparse_attention(self, q, k, v, layer_id: int, scale: float):
+    def sparse_attention(self, q, k, v, layer: int, scale: float):
         raise NotImplementedError
 
-    def record(self, layer_id: int, pattern, density: list[float], n: int) -> None:
+    def record(self, recorder, layer: int, pattern, density: list[float], n: int) -> None:
         raise NotImplementedError
 
-    def prefill_attention(self, q, k, v, layer_id, scale):
+    def prefill_attention(self, q, k, v, layer, scale, ctx=QUIET):
         if k.shape[0] < self.min_len or q.shape[0] < 64:
-            self._pairs.pop(layer_id, None)
-            return super().prefill_attention(q, k, v, layer_id, scale)
-        out, pairs, pattern = self.sparse_attention(q, k, v, layer_id, scale)
-        self._pairs[layer_id] = (pairs, causal_pairs(q.shape[0], k.shape[0]))
-        if self.recorder.enabled:
-            self.record(layer_id, pattern, self.density(layer_id), k.shape[0])
+            self._pairs.pop(layer, None)
+            return super().prefill_attention(q, k, v, layer, scale, ctx)
+        out, pairs, pattern = self.sparse_attention(q, k, v, layer, scale)
+        self._pairs[layer] = (pairs, causal_pairs(q.shape[0], k.shape[0]))
+        if ctx.recorder.enabled:
+            self.record(ctx.recorder, layer, pattern, self.density(layer), k.shape[0])
         return out
 
-    def density(self, layer_id: int) -> list[float] | None:
+    def density(self, layer: int) -> list[float] | None:
         """Per head: the fraction of causal (query, key) pairs computed in this layer's last sparse prefill."""
-        if layer_id not in self._pairs:
+        if layer not in self._pairs:
             return None
-        pairs, dense = self._pairs[layer_id]
+        pairs, dense = self._pairs[layer]
         return (pairs.double() / dense).tolist()
 
     def stats(self) -> dict:
@@ -140,7 +164,3 @@ class SparsePrefillPolicy(SparsePolicy):
 
 class FullPolicy(SparsePolicy):
     """Attends to everything; loads everything."""
-    name = "full"
-
-    def select_blocks(self, blocks: list[int], ctx: PolicyContext) -> list[int]:
-        return list(blocks)

@@ -19,24 +19,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ConfigError
 from engine.ops.sparse_prefill import block_sparse_attention
 from engine.sparse.policy import SparsePrefillPolicy
+from engine.sparse.specs import SPECS
 
 _IMAGE = 128  # the trace gets each head's block mask binned to at most this many rows and columns
 
 
 class XAttentionPolicy(SparsePrefillPolicy):
-    name = "xattention"
+    spec = SPECS["xattention"]
 
-    def __init__(self, threshold: float = 0.9, stride: int = 16, block: int = 128, min_len: int = 8192,
-                 chunk_rows: int = 2048):
-        super().__init__(min_len)
-        if not 0 < threshold <= 1:
-            raise ValueError(f"xattention threshold must be in (0, 1] (got {threshold})")
-        if block < 16 or block & (block - 1) or stride < 1 or block % stride:
-            raise ValueError(f"xattention needs a power-of-two block >= 16 that the stride divides (got block {block}, "
-                             f"stride {stride})")
-        self.threshold, self.stride, self.block, self.chunk_rows = threshold, stride, block, chunk_rows
+    def __init__(self, **params):
+        p = self.spec.validate(params)
+        super().__init__(p["min_len"])
+        self.threshold, self.stride, self.block, self.chunk_rows = p["threshold"], p["stride"], p["block"], p["chunk_rows"]
+        if self.block % self.stride:
+            raise ConfigError(f"xattention stride {self.stride} must divide the block of {self.block} tokens")
 
     @torch.no_grad()
     def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,14 +78,14 @@ class XAttentionPolicy(SparsePrefillPolicy):
         kept = (before < self.threshold) & (p > 0)
         return torch.zeros_like(kept).scatter_(-1, order, kept)
 
-    def sparse_attention(self, q, k, v, layer_id, scale):
+    def sparse_attention(self, q, k, v, layer, scale):
         blocks = self.estimate(q, k, scale)
         return (*block_sparse_attention(q, k, v, blocks, self.block, scale), blocks)
 
-    def record(self, layer_id, blocks: torch.Tensor, density, n):
+    def record(self, recorder, layer, blocks: torch.Tensor, density, n):
         hq, nqb, nkb = blocks.shape
         f = max(1, -(-max(nqb, nkb) // _IMAGE))                                 # binned picture, at most _IMAGE
         img = F.avg_pool2d(blocks.float()[:, None], f, ceil_mode=True)[:, 0].mul_(255).to(torch.uint8)
         empty = torch.zeros(0, dtype=torch.int32)
         for h, dens in enumerate(density):
-            self.recorder.mask_summary(layer_id, h, empty, empty, n, dens, image=img[h])
+            recorder.mask_summary(layer, h, empty, empty, n, dens, image=img[h])

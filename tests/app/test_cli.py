@@ -185,3 +185,89 @@ def test_sparse_prefill_policy_from_the_command_line(capsys, tmp_path, default_m
     result = json.loads(out)
     assert result["policy"] == policy and result["policy_params"]["min_len"] == 256
     assert result["policy_stats"]["sparse_layers"] == 30 and 0 < result["policy_stats"]["density"] < 1
+
+
+# ---------------------------------------------------------------------- policy flags (from engine.sparse.SPECS)
+def _flag(spec, param) -> str:
+    return "--" + (param.flag or f"{spec.name}-{param.name.replace('_', '-')}")
+
+
+def test_every_policy_param_has_a_flag_and_help_lists_it(capsys):
+    from app.cli import build_parser
+    from engine.sparse import SPECS
+    chat = build_parser()._subparsers._group_actions[0].choices["chat"]
+    options = {s: a for a in chat._actions for s in a.option_strings}
+    assert list(options["--policy"].choices) == list(SPECS)
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())     # argparse wraps lines
+    for spec in SPECS.values():
+        assert f"{spec.name} ({spec.title}: {spec.phase}" in help_text
+        for param in spec.params:
+            for flag in (_flag(spec, param), *(f"--{a}" for a in param.aliases)):
+                assert flag in options, flag
+                assert options[flag].default is None           # the spec holds the default, not argparse
+                assert flag in help_text, flag
+            if param.type is bool:
+                assert options[_flag(spec, param)].nargs == 0   # store_true
+            else:
+                assert options[_flag(spec, param)].type is param.type
+                assert f"default: {param.default}" in options[_flag(spec, param)].help
+
+
+def test_policy_params_come_from_flags_and_inline_and_only_given_ones():
+    from app.cli import build_parser, policy_params
+    parse = build_parser().parse_args
+    assert policy_params(parse(["chat", "--policy", "quest", "--quest-budget", "512", "--quest-recall"])) == {
+        "token_budget": 512, "recall": True}
+    assert policy_params(parse(["chat", "--policy", "xattention", "--sparse-min-len", "256"])) == {"min_len": 256}
+    assert policy_params(parse(["chat", "--policy", "minference", "--sparse-min-len", "256"])) == {"min_len": 256}
+    assert policy_params(parse(["chat", "--policy", "quest:page_size=32", "--quest-token-budget", "1024"])) == {
+        "page_size": 32, "token_budget": 1024}
+    assert policy_params(parse(["chat"])) == {}
+
+
+@pytest.mark.parametrize("argv, phrases", [
+    (["--policy", "quest", "--quest-token-budget", "5"], ["token_budget", "[32, 4194304]", "got 5"]),
+    (["--policy", "quest:token_budget=5", "--mode", "layerwise"], ["token_budget", "[32, 4194304]"]),
+    (["--policy", "xattention", "--xattention-threshold", "0"], ["threshold", "(0, 1]"]),
+    (["--policy", "quest", "--mode", "layerwise", "--quest-page", "24"], ["page_size", "16, 32, 64, 128"]),
+    (["--quest-token-budget", "1024"], ["--quest-token-budget applies to --policy quest"]),
+    (["--policy", "quest", "--mode", "layerwise", "--minference-slash", "0.5"],
+     ["--minference-slash applies to --policy minference"]),
+    (["--policy", "quest", "--mode", "layerwise", "--sparse-min-len", "64"],
+     ["--sparse-min-len applies to --policy minference or --policy xattention"]),
+    (["--policy", "quest:bogus=1", "--mode", "layerwise"], ["bogus", "token_budget"]),
+    (["--policy", "quest"], ["layerwise"]),                                    # the mode it cannot run in
+])
+def test_bad_policy_flags_fail_in_one_line_before_the_model_loads(capsys, argv, phrases):
+    code, _, err = run_cli(capsys, "--ask", "hi", "--model", "/nonexistent/model", *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert all(p in lines[0] for p in phrases), (phrases, err)
+    assert "model folder" not in err                                          # nothing was loaded
+
+
+def test_unknown_policy_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--ask", "hi", "--model", "/nonexistent/model", "--policy", "sparsest"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "sparsest" in err and "quest" in err and "model folder" not in err
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "chunked"])
+def test_offload_modes_exit_cleanly_every_time(default_model_dir, tmp_path, mode):
+    """The engine's copy threads are joined at the end (LLM.close): a run never aborts at exit (it used to end
+    with 'terminate called without an active exception', exit 134, about one run in three)."""
+    doc = tmp_path / "note.txt"
+    doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen. " * 20)
+    for _ in range(4):
+        proc = subprocess.run([sys.executable, "main.py", "chat", "--document", str(doc), "--ask", "Where?",
+                               "--max-new-tokens", "4", "--mode", mode, "--no-kv-store", "--block-size", "64",
+                               "--model", str(default_model_dir)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr
+        assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr
+        assert f"{mode}: KV moved host->device" in proc.stderr

@@ -1,7 +1,7 @@
 """The needle harness: documents of the asked length with the fact at the asked depth, graded by the answer."""
 import pytest
 
-from engine.evaluate import NEEDLES, grid, main, needle_document, run_needles
+from bench.needle import NEEDLES, grid, main, needle_document, run_needles
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from engine.errors import ConfigError, ContextTooLongError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "resources" / "samples" / "kv_cache_offload_primer.md"
@@ -105,3 +105,18 @@ def test_invalid_sampling_values_are_named(kwargs, words):
 
 def test_count_tokens(llm):
     assert llm.count_tokens("hello world") == 2
+
+
+@pytest.mark.parametrize("mode", ["gpu", "layerwise", "chunked"])
+def test_close_joins_every_engine_thread(default_model_dir, tmp_path, mode):
+    """`with LLM(...)` closes the engine: its copy threads and the disk tier's writer are gone afterwards."""
+    before = set(threading.enumerate())               # engines of other tests may still hold theirs
+
+    def started() -> list[str]:
+        return [t.name for t in threading.enumerate() if t not in before]
+    with LLM(str(default_model_dir), device="cpu", mode=mode, kv_block_size=64, max_model_len=1024,
+             kv_store=str(tmp_path / "kv")) as llm:
+        llm.generate(["The KV cache " * 40], SamplingParams(max_tokens=3))
+        assert "kvscope-kv-writer" in started() and (mode == "gpu" or "kvscope-h2d" in started())
+    assert started() == []
+    llm.close()                                                                      # idempotent

@@ -12,6 +12,8 @@ from engine.models.loader import build_model, load_weights
 from engine.models.registry import read_config
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
+from engine.sparse import make_policy
+from engine.step import StepContext
 from tests.engine.tiny import tiny_model
 
 
@@ -28,21 +30,21 @@ def test_prefill_and_decode_logits_match_transformers(arch, device, tmp_path):
     dev = torch.device(device)
     model = load_weights(build_model(args, dev, torch.float32), Path(tmp_path))
     cfg = EngineConfig(model=str(tmp_path), device=device, kv_block_size=16, num_kv_blocks=16, max_num_seqs=2)
-    runner = ModelRunner(model, cfg, dev, torch.float32, max_model_len=256)
+    runner = ModelRunner(model, cfg, dev, torch.float32, 256, make_policy("full", {}, "gpu"))
     assert (device == "cuda") == bool(runner.graphs)
     bm = BlockManager(runner.num_blocks, 16)
 
     prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     seq = Sequence(prompt, SamplingParams(), 16)
     bm.allocate(seq)
-    ours = runner.forward_logits([seq], is_prefill=True)[0]
+    ours = runner.forward_logits([seq], True, StepContext())[0]
     for step in range(12):  # 37 + 12 crosses the 48-token boundary during decode
         with torch.no_grad():
             want = ref(torch.tensor([seq.token_ids], device=device)).logits[0, -1]
         torch.testing.assert_close(ours, want, atol=5e-4, rtol=1e-4, msg=f"{arch}: step {step}")
         seq.append_token(int(want.argmax()))
         bm.may_append(seq)
-        ours = runner.forward_logits([seq], is_prefill=False)[0]
+        ours = runner.forward_logits([seq], False, StepContext())[0]
     assert len(seq.block_table) == 4
 
 
@@ -52,20 +54,20 @@ def test_prefill_over_a_cached_prefix_matches_full_prefill(tmp_path):
     args = read_config(tmp_path)
     model = load_weights(build_model(args, torch.device("cpu"), torch.float32), Path(tmp_path))
     cfg = EngineConfig(model=str(tmp_path), device="cpu", kv_block_size=16, num_kv_blocks=32)
-    runner = ModelRunner(model, cfg, torch.device("cpu"), torch.float32, max_model_len=256)
+    runner = ModelRunner(model, cfg, torch.device("cpu"), torch.float32, 256, make_policy("full", {}, "gpu"))
     bm = BlockManager(runner.num_blocks, 16)
     doc = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(2)).tolist()
     first = Sequence(doc + [5, 6, 7], SamplingParams(), 16)
     bm.allocate(first)
-    runner.forward_logits([first], True)
+    runner.forward_logits([first], True, StepContext())
     bm.deallocate(first)
 
     second = Sequence(doc + [9, 9], SamplingParams(), 16)
     bm.allocate(second)
     assert second.num_cached_tokens == 48
-    cached = runner.forward_logits([second], True)[0]
+    cached = runner.forward_logits([second], True, StepContext())[0]
     fresh = Sequence(doc + [9, 9], SamplingParams(), 16)
     bm2 = BlockManager(runner.num_blocks, 16)
     bm2.allocate(fresh)
     assert fresh.num_cached_tokens == 0
-    torch.testing.assert_close(cached, runner.forward_logits([fresh], True)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached, runner.forward_logits([fresh], True, StepContext())[0], atol=1e-5, rtol=1e-5)

@@ -21,7 +21,7 @@ def test_page_bound_is_at_least_the_true_max(seed, g, scale):
     p = _policy()
     keys = torch.randn(6, 2, 32, 8) * scale                       # [block, Hkv, bs, D]
     for b in range(6):
-        p.on_prefill_offload(b, 1, keys[b], 32)
+        p.on_kv_written(1, b, keys[b])
     q = torch.randn(2 * g, 8) * scale                              # [Hq, D]
     pages = p.page_ids(range(6))
     bound = p.scores(1, q, pages)                                  # [Hkv, 12]
@@ -37,7 +37,7 @@ def test_selection_is_per_kv_head_with_sink_and_recent():
     keys[2, 0, :, 0] = 5.0                                          # pages 4, 5: large keys on kv head 0 only
     keys[4, 1, :, 1] = 5.0                                          # pages 8, 9: large keys on kv head 1 only
     for b in range(6):
-        p.on_decode_offload(b, 0, keys[b], 32)
+        p.on_kv_written(0, b, keys[b])
     q = torch.zeros(4, 8)
     q[:, 0] = q[:, 1] = 1.0                                         # every query head looks for both
     top, scores = p.select(0, q, list(range(6)))
@@ -167,15 +167,25 @@ def test_recall_measured_in_the_engine(tmp_path):
     assert per_layer0 == pytest.approx(tight["recall_per_layer"]["0"], abs=1e-4)
 
 
-def test_select_blocks_per_policy():
-    from engine.sparse import MInferencePolicy
-    from engine.sparse.policy import FullPolicy, PolicyContext
-    p = _policy(budget=64, dense_layers=0)                        # 6 blocks of 32, pages of 16: 4 pages kept
+def test_load_plans_per_policy():
+    """The API the runners call: Quest plans nothing until it saw a query, then its chosen pages per kv head
+    (sink and most recent forced) plus the newest block's pages, under a new key after each selection; Full and
+    the prefill policies never plan (everything is loaded)."""
+    from engine.sparse import make_policy
+    from engine.step import StepContext
+    p = _policy(budget=64, dense_layers=0)                        # 6 blocks of 32, pages of 16: 4 pages per head
     keys = torch.randn(6, 2, 32, 8)
     for b in range(6):
-        p.on_prefill_offload(b, 1, keys[b], 32)
-    chosen = p.select_blocks(list(range(6)), PolicyContext(layer=1, query=torch.randn(1, 4, 8)))
-    assert chosen[0] == 0 and chosen[-1] == 5 and 2 <= len(chosen) <= 6 and chosen == sorted(chosen)
-    assert FullPolicy().select_blocks([3, 4], PolicyContext(layer=0)) == [3, 4]
-    with pytest.raises(ConfigError, match="does not select KV blocks"):
-        MInferencePolicy().select_blocks([3, 4], PolicyContext(layer=0))
+        p.on_kv_written(1, b, keys[b])
+    ctx = StepContext(block_table=torch.tensor([3, 0, 5, 1, 4, 2]))   # the sequence's host blocks
+    assert p.plans_loads and p.plan_load(1, 6, ctx) is None
+    p.observe_query(1, torch.randn(4, 8), 5, ctx)                  # choose among the first 5 blocks
+    plan = p.plan_load(1, 6, ctx)
+    # page i of host block b is b * 2 + i: the sink (block 3), the most recent of the 5 (block 4), the newest (2)
+    assert plan.page_size == 16 and plan.pages.tolist() == [[6, 9, 4, 5]] * 2
+    p.observe_query(1, torch.randn(4, 8), 5, ctx)
+    assert p.plan_load(1, 6, ctx).key != plan.key
+    assert p.plan_load(1, 2, ctx) is None                          # 2 blocks fit the budget: load all
+    for name in ("full", "minference", "xattention"):
+        other = make_policy(name, {}, "layerwise")
+        assert not other.plans_loads and other.plan_load(1, 6, ctx) is None

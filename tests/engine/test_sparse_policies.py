@@ -37,7 +37,7 @@ def test_minference_fraction_budgets_scale_with_length():
     pol = MInferencePolicy(vertical=0.1, slash=0.25, sink=4, recent=8)
     assert pol.budgets(1000) == (100, 250)
     assert pol.budgets(20) == (4, 8)                                      # never below the forced ones
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(ConfigError, match=r"minference vertical must be in \(0, "):
         MInferencePolicy(vertical=0)
 
 

@@ -1,15 +1,10 @@
-"""The local-disk KV page store: chained keys, exact round trips, verification, crash safety, the size limit,
-degrading on I/O errors, and the background writer."""
+"""The local-disk KV page store: chained keys, exact round trips, verification, crash safety, the size limit and
+degrading on I/O errors (the background writer: test_storage_writer.py)."""
 import contextlib
 import errno
-import functools
 import math
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -21,36 +16,8 @@ import xxhash
 
 from engine.offload import storage
 from engine.offload.storage import KVStore, PageFormat, StoreWriter, chain_keys, default_store_dir
-
-LAYOUT = (2, 2, 1, 4, 8)  # L, 2, Hkv, page_size, D
-FMT = PageFormat("tiny-model", "float32", LAYOUT)
-REPO = Path(__file__).resolve().parents[2]
-
-
-def page(i: int) -> torch.Tensor:
-    """A float32 page whose values depend on i."""
-    return torch.randn(LAYOUT, generator=torch.Generator().manual_seed(i))
-
-
-def key(i: int) -> str:
-    return xxhash.xxh3_128_hexdigest(f"page {i}".encode())
-
-
-def page_files(root: Path, suffix: str = ".kvp") -> list[Path]:
-    return sorted(root.rglob(f"*{suffix}"))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-@functools.cache
-def page_file_size() -> int:
-    """Bytes of one page file of FMT (header + payload), measured by writing one."""
-    with tempfile.TemporaryDirectory() as d:
-        store = KVStore(d, FMT, 1 << 20)
-        assert store.write(key(0), page(0))
-        return store.usage()[1]
+from tests.engine.storage_pages import (BIG_LAYOUT, FMT, LAYOUT, bits, key, page, page_file_size, page_files,
+                                        run_python)
 
 
 # ---- keys ----
@@ -195,7 +162,6 @@ def test_a_bad_page_is_never_used_and_is_rewritten(tmp_path, how):
     assert store.read(good, out) and torch.equal(out, page(0))
 
 
-_KILL_LAYOUT = (16, 2, 4, 64, 64)  # 2 MiB of float32 per page
 _KILLED_WRITER = """
 import sys, torch
 from engine.offload.storage import KVStore, PageFormat
@@ -208,11 +174,6 @@ while True:
 """
 
 
-def _python(code: str, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, env=env)
-
-
 def _partly_written(root: Path) -> bool:
     sizes = []
     for path in root.rglob("*.*"):
@@ -222,8 +183,8 @@ def _partly_written(root: Path) -> bool:
 
 
 def test_a_write_killed_midway_leaves_only_complete_pages(tmp_path):
-    assert math.prod(_KILL_LAYOUT) == 2 ** 19
-    proc = _python(_KILLED_WRITER.format(layout=_KILL_LAYOUT), str(tmp_path))
+    assert math.prod(BIG_LAYOUT) == 2 ** 19
+    proc = run_python(_KILLED_WRITER.format(layout=BIG_LAYOUT), str(tmp_path))
     try:
         deadline = time.monotonic() + 60
         while len(page_files(tmp_path)) < 3 and time.monotonic() < deadline and proc.poll() is None:
@@ -241,17 +202,17 @@ def test_a_write_killed_midway_leaves_only_complete_pages(tmp_path):
     (shard / f"{'d' * 32}.{proc.pid}.abc.tmp").write_bytes(b"KVSPAGE1 partial")
     live = shard / f"{'e' * 32}.{os.getpid()}.abc.tmp"
     live.write_bytes(b"KVSPAGE1 being written")
-    fmt = PageFormat("kill-test", "float32", _KILL_LAYOUT)
+    fmt = PageFormat("kill-test", "float32", BIG_LAYOUT)
     store = KVStore(tmp_path, fmt, 64 << 20)
     assert page_files(tmp_path, ".tmp") == [live]
     live.unlink()
     files = page_files(tmp_path)
     assert len(files) >= 3 and store.usage()[0] == len(files)
-    out = torch.empty(_KILL_LAYOUT)
+    out = torch.empty(BIG_LAYOUT)
     for path in files:
         k = path.stem
         assert store.contains(k) and store.read(k, out), f"page {k} is not complete"
-        expect = torch.arange(2 ** 19, dtype=torch.float32).view(_KILL_LAYOUT) + int(k, 16)
+        expect = torch.arange(2 ** 19, dtype=torch.float32).view(BIG_LAYOUT) + int(k, 16)
         assert torch.equal(out, expect)
 
 
@@ -359,92 +320,3 @@ def test_an_unusable_root_gives_a_disabled_store(tmp_path):
     assert writer.acks() == ["t0", "t1"] and writer.pending == 0
     writer.close()
     assert blocker.read_text() == "not a folder"
-
-
-# ---- the background writer ----
-
-def test_writer_writes_and_acknowledges_each_tag_once(tmp_path):
-    store = KVStore(tmp_path, FMT, 1 << 20)
-    writer = StoreWriter(store)
-    host = torch.stack([page(i) for i in range(6)], dim=1)  # [L, blocks, ...]: strided pages
-    for i in range(6):
-        writer.submit(key(i), host[:, i], ("block", i))
-    assert writer.flush(timeout=30)
-    assert writer.pending == 0
-    assert sorted(writer.acks()) == [("block", i) for i in range(6)]
-    assert writer.acks() == []
-    out = torch.empty(LAYOUT)
-    for i in range(6):
-        assert store.read(key(i), out) and torch.equal(out, page(i))
-    writer.close()
-    writer.close()  # idempotent
-    writer.submit(key(9), page(9), "late")  # after close: acknowledged, not written
-    assert writer.acks() == ["late"] and not store.contains(key(9))
-
-
-def test_writer_writes_a_key_once(tmp_path):
-    store = KVStore(tmp_path, FMT, 1 << 20)
-    writer = StoreWriter(store)
-    writer.submit(key(0), page(0), "first")
-    writer.submit(key(0), page(1), "second")  # same key: already on disk when its turn comes
-    assert writer.flush(timeout=30)
-    assert sorted(writer.acks()) == ["first", "second"]
-    out = torch.empty(LAYOUT)
-    assert store.read(key(0), out) and torch.equal(out, page(0))
-    assert store.usage()[0] == 1
-    writer.close()
-
-
-def test_writer_pending_backpressure_and_flush_timeout(tmp_path, monkeypatch):
-    store = KVStore(tmp_path, FMT, 1 << 20)
-    gate = threading.Event()
-    write = store.write
-    monkeypatch.setattr(store, "write", lambda k, p: gate.wait() and write(k, p))
-    writer = StoreWriter(store, max_pending=1)
-    writer.submit(key(0), page(0), 0)
-    writer.submit(key(1), page(1), 1)  # queued behind the write held at the gate
-    third = threading.Thread(target=writer.submit, args=(key(2), page(2), 2))
-    third.start()
-    third.join(0.2)
-    assert third.is_alive()  # the queue is full: submit blocks
-    assert writer.pending >= 2 and writer.acks() == []
-    assert writer.flush(timeout=0.05) is False
-    gate.set()
-    third.join(30)
-    assert not third.is_alive()
-    assert writer.flush(timeout=30) and writer.pending == 0
-    assert sorted(writer.acks()) == [0, 1, 2]
-    assert all(store.contains(key(i)) for i in range(3))
-    writer.close()
-
-
-@pytest.mark.filterwarnings("ignore:KV page store")
-def test_writer_acknowledges_a_page_it_cannot_write(tmp_path):
-    store = KVStore(tmp_path, FMT, 1 << 20)
-    writer = StoreWriter(store)
-    writer.submit(key(0), torch.zeros(3), "bad shape")
-    writer.submit(key(1), page(1), "good")
-    assert writer.flush(timeout=30)
-    assert sorted(writer.acks()) == ["bad shape", "good"]
-    assert not store.contains(key(0)) and store.contains(key(1))
-    writer.close()
-
-
-_EXITING_WRITER = """
-import sys, torch
-from engine.offload.storage import KVStore, PageFormat, StoreWriter
-layout = {layout}
-writer = StoreWriter(KVStore(sys.argv[1], PageFormat("exit-test", "float32", layout), 1 << 30))
-for i in range(12):
-    writer.submit(f"{{i:032x}}", (torch.arange(2 ** 19, dtype=torch.float32) + i).view(layout), i)
-"""
-
-
-def test_queued_writes_finish_at_interpreter_exit(tmp_path):
-    proc = _python(_EXITING_WRITER.format(layout=_KILL_LAYOUT), str(tmp_path))
-    assert proc.wait(timeout=120) == 0
-    store = KVStore(tmp_path, PageFormat("exit-test", "float32", _KILL_LAYOUT), 1 << 30)
-    out = torch.empty(_KILL_LAYOUT)
-    for i in range(12):
-        assert store.read(f"{i:032x}", out)
-        assert torch.equal(out, torch.arange(2 ** 19, dtype=torch.float32).view(_KILL_LAYOUT) + i)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -10,7 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(scope="module")
 def llm():
     """Random weights of Qwen3-4B's shape, bf16, KV sized from free memory, decode CUDA graphs on."""
-    return LLM(shape="qwen3-4b", max_model_len=8192, max_num_seqs=4)
+    with LLM(shape=shape_config("qwen3-4b"), max_model_len=8192, max_num_seqs=4) as llm:
+        yield llm
 
 
 def test_memory_sizing_and_graphs(llm):
@@ -21,18 +23,19 @@ def test_memory_sizing_and_graphs(llm):
 def test_graph_decode_equals_eager_decode(llm):
     """Replaying the captured graph gives the logits of running the same step eagerly."""
     from engine.sequence import Sequence
+    from engine.step import StepContext
     seqs = [Sequence(torch.randint(0, 1000, (n,)).tolist(), SamplingParams(), llm.config.kv_block_size)
             for n in (700, 3000)]
     for s in seqs:
         llm.block_manager.allocate(s)
-    first = llm.runner.forward_logits(seqs, True).argmax(-1).tolist()
+    first = llm.runner.forward_logits(seqs, True, StepContext()).argmax(-1).tolist()
     for s, t in zip(seqs, first):
         s.append_token(t)
         llm.block_manager.may_append(s)
-    graphs = llm.runner.forward_logits(seqs, False).float()
+    graphs = llm.runner.forward_logits(seqs, False, StepContext()).float()
     saved, llm.runner.graphs = llm.runner.graphs, {}
     try:
-        eager = llm.runner.forward_logits(seqs, False).float()
+        eager = llm.runner.forward_logits(seqs, False, StepContext()).float()
     finally:
         llm.runner.graphs = saved
         for s in seqs:

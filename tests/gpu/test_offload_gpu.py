@@ -4,6 +4,7 @@ import gc
 import pytest
 import torch
 
+from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 from engine.trace import TraceRecorder, summarize
 from engine.trace.events import COMPUTE, H2D
@@ -17,7 +18,7 @@ def _engine(mode, **kw):
     """Random weights of Qwen3-4B's shape in fp32 (so that greedy tokens are comparable across modes)."""
     if mode == "gpu":
         kw["num_kv_blocks"] = 64
-    return LLM(shape="qwen3-4b", dtype="float32", max_model_len=4096, mode=mode, kv_block_size=BS, **kw)
+    return LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode=mode, kv_block_size=BS, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(prompts):
-    llm = _engine("gpu")
-    out = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+    with _engine("gpu") as llm:
+        out = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -39,21 +40,22 @@ def reference(prompts):
 @pytest.mark.parametrize("mode, kw", [("layerwise", {}), ("layerwise", {"ring_slots": 2, "gpu_kv_budget_gb": 1.0}),
                                       ("chunked", {})])
 def test_offload_tokens_equal_gpu_mode_on_cuda(mode, kw, prompts, reference):
-    llm = _engine(mode, **kw)
-    assert llm.runner.oe.host.is_pinned()
-    got = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
-    assert got == reference
-    if kw.get("gpu_kv_budget_gb"):
-        assert 0 < len(llm.plan.resident) < 36
+    with _engine(mode, **kw) as llm:
+        assert llm.runner.oe.host.is_pinned()
+        got = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+        assert got == reference
+        if kw.get("gpu_kv_budget_gb"):
+            assert 0 < len(llm.plan.resident) < 36
 
 
 def test_layerwise_copies_overlap_compute_on_cuda():
-    llm = LLM(shape="qwen3-4b", max_model_len=16384, mode="layerwise", ring_slots=3)
+    llm = LLM(shape=shape_config("qwen3-4b"), max_model_len=16384, mode="layerwise", ring_slots=3)
     rec = TraceRecorder(device=llm.device)
     llm.recorder = rec
     prompt = torch.randint(0, 150000, (12000,)).tolist()
     llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
     llm.recorder = None
+    llm.close()
     prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
     L, block = 36, llm.runner.oe.block_bytes
     assert prefill.metrics["bytes_h2d"] == 0 and prefill.metrics["bytes_d2h"] == L * (12000 // BS) * block

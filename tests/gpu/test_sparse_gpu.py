@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 from engine.ops.sparse_prefill import (block_sparse_reference, block_sparse_triton, vertical_slash_reference,
                                        vertical_slash_triton)
@@ -46,13 +47,14 @@ def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
     outs = []
     for mode in ("gpu", "layerwise"):
         rec = TraceRecorder()
-        llm = LLM(shape="qwen3-4b", dtype="float32", max_model_len=4096, mode=mode, kv_block_size=256, policy=policy,
-                  policy_params=params, recorder=rec, **({"num_kv_blocks": 32} if mode == "gpu" else {}))
+        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode=mode, kv_block_size=256,
+                  policy=policy, policy_params=params, recorder=rec, **({"num_kv_blocks": 32} if mode == "gpu" else {}))
         out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
         outs.append(out.token_ids)
         assert 0 < out.stats.policy_stats["density"] < 1
         assert len([m for s in rec.steps for m in s.masks]) == 36 * 32
         print(mode, policy, "density", round(out.stats.policy_stats["density"], 3))
+        llm.close()
         del llm
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
@@ -60,9 +62,10 @@ def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
 
 def test_quest_recall_on_gpu():
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm = LLM(shape="qwen3-4b", dtype="bfloat16", max_model_len=4096, mode="layerwise", kv_block_size=256,
-              policy="quest", policy_params={"token_budget": 512, "page_size": 32, "recall": True})
+    llm = LLM(shape=shape_config("qwen3-4b"), dtype="bfloat16", max_model_len=4096, mode="layerwise",
+              kv_block_size=256, policy="quest", policy_params={"token_budget": 512, "page_size": 32, "recall": True})
     st = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].stats.policy_stats
+    llm.close()
     print("quest recall", round(st["recall"], 3), "current-query", round(st["recall_current_query"], 3))
     assert 0 < st["recall_min_head"] <= st["recall"] <= 1 and len(st["recall_per_layer"]) == 34
 
@@ -73,12 +76,12 @@ def test_layerwise_decode_graphs_answer_like_eager(policy, params):
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     outs = []
     for eager in (True, False):
-        llm = LLM(shape="qwen3-4b", dtype="float32", max_model_len=4096, mode="layerwise", kv_block_size=256,
-                  policy=policy, policy_params=params, enforce_eager=eager)
+        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
+                  kv_block_size=256, policy=policy, policy_params=params, enforce_eager=eager)
         outs.append(llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids)
-        graphs = llm.runner._graphs
+        graphs = llm.runner.decode_graphs
         assert (graphs is None) == eager and (eager or len(graphs.graphs) >= 36)
-        llm.runner.close()
+        llm.close()
         del llm
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
@@ -91,11 +94,11 @@ def test_quest_in_chunked_mode_on_gpu():
     got = {}
     for name, params in [("full", {}), ("quest", {"token_budget": 8192, "page_size": 32, "dense_layers": 0}),
                          ("tight", {"token_budget": 512, "page_size": 32})]:
-        llm = LLM(shape="qwen3-4b", dtype="float32", max_model_len=4096, mode="chunked", kv_block_size=256,
-                  policy="full" if name == "full" else "quest", policy_params=params)
+        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="chunked",
+                  kv_block_size=256, policy="full" if name == "full" else "quest", policy_params=params)
         out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
         got[name] = (out.token_ids, out.stats.bytes_h2d)
-        llm.runner.close()
+        llm.close()
         del llm
         torch.cuda.empty_cache()
     assert got["quest"][0] == got["full"][0]

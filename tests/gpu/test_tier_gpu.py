@@ -3,6 +3,7 @@ back into the device cache or the host pool of a new engine, answer as the compu
 import pytest
 import torch
 
+from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -14,7 +15,7 @@ def test_kv_from_disk_answers_as_computed_prefill_on_cuda(tmp_path, mode):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
 
     def run(times):
-        llm = LLM(shape="qwen3-4b", device="cuda", mode=mode, kv_block_size=256, max_model_len=4096,
+        llm = LLM(shape=shape_config("qwen3-4b"), device="cuda", mode=mode, kv_block_size=256, max_model_len=4096,
                   kv_store=str(tmp_path))
         outs = [llm.generate([prompt], params)[0] for _ in range(times)]
         llm.close()

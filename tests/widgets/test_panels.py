@@ -1,4 +1,5 @@
-"""What a user sees in the chat view, the document panel and the policy panel (pytest-qt, offscreen)."""
+"""What a user sees in the chat view and the document panel (pytest-qt, offscreen; the policy panel:
+test_policy_panel.py)."""
 import json
 
 import pytest
@@ -7,7 +8,6 @@ from PySide6.QtGui import QDropEvent
 
 from widgets.chat_view import ChatView
 from widgets.document_panel import DocumentPanel
-from widgets.policy_panel import PolicyPanel
 
 STATS = {"prompt_tokens": 1234, "cached_tokens": 1024, "completion_tokens": 17, "ttft_s": 0.123,
          "prefill_tok_s": 5321.0, "decode_tok_s": 45.25, "total_s": 0.6, "finish_reason": "stop",
@@ -197,102 +197,3 @@ def test_dropped_files_are_checked(doc_panel, qtbot, tmp_path):
         qtbot.mouseClick(doc_panel.open_button, Qt.MouseButton.LeftButton)
     doc_panel.show_error("notes.md is empty.")
     assert doc_panel.message() == "notes.md is empty." and doc_panel.token_count() == 3
-
-
-# ---------------------------------------------------------------------- policy panel
-@pytest.fixture
-def policy(qtbot):
-    panel = PolicyPanel()
-    qtbot.addWidget(panel)
-    panel.show()
-    return panel
-
-
-def _quest_item(panel):
-    return panel.policy_combo.model().item(panel.policy_combo.findData("quest"))
-
-
-def test_quest_is_disabled_in_gpu_mode_with_the_reason(policy):
-    assert policy.mode() == "gpu"
-    assert not _quest_item(policy).isEnabled()
-    assert "gpu mode" in policy.policy_tooltip("quest") and "layerwise" in policy.policy_tooltip("quest")
-    assert not policy.ring_slots.isEnabled() and "offload modes" in policy.ring_slots.toolTip()
-    policy.mode_combo.setCurrentIndex(policy.mode_combo.findData("layerwise"))
-    assert _quest_item(policy).isEnabled() and "Not available" not in policy.policy_tooltip("quest")
-    assert policy.ring_slots.isEnabled() and policy.budget_check.isEnabled()
-    policy.mode_combo.setCurrentIndex(policy.mode_combo.findData("chunked"))
-    assert _quest_item(policy).isEnabled() and "Not available" not in policy.policy_tooltip("quest")
-    assert not policy.policy_available("minference")
-    assert "chunked" in policy.policy_tooltip("xattention") and not policy.budget_check.isEnabled()
-
-
-def test_quest_falls_back_to_full_when_switching_to_gpu(policy):
-    policy.set_config({"mode": "layerwise", "policy": "quest"})
-    assert policy.policy() == "quest"
-    policy.mode_combo.setCurrentIndex(policy.mode_combo.findData("gpu"))
-    assert policy.policy() == "full" and "Quest" in policy.note_label.text() and policy.note_label.isVisible()
-
-
-def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
-    cfg = {"mode": "layerwise", "kv_block_size": 512, "ring_slots": 5, "host_kv_gb": 32.0,
-           "prefill_chunk_tokens": 4096, "gpu_kv_budget_gb": 2.5, "policy": "quest",
-           "policy_params": {"token_budget": 4096, "page_size": 32, "dense_layers": 1}}
-    with qtbot.assertNotEmitted(policy.config_changed):
-        policy.set_config(cfg)
-    assert policy.config() == cfg
-    other = PolicyPanel()
-    qtbot.addWidget(other)
-    other.set_config(policy.config())
-    assert other.config() == cfg
-    xa = {"mode": "gpu", "kv_block_size": 256, "policy": "xattention",
-          "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096}}
-    other.set_config(xa)
-    assert other.config() == xa   # no offload knobs in gpu mode
-
-    with qtbot.waitSignal(policy.config_changed) as changed:
-        policy.ring_slots.setValue(2)
-    assert changed.args[0]["ring_slots"] == 2 and changed.args[0]["policy"] == "quest"
-    with qtbot.waitSignal(policy.config_changed) as changed:
-        policy.policy_combo.setCurrentIndex(policy.policy_combo.findData("minference"))
-    assert changed.args[0]["policy_params"] == {"vertical": 1000, "slash": 6096, "min_len": 8192}   # the engine's
-    mi = {"mode": "gpu", "kv_block_size": 256, "policy": "minference",
-          "policy_params": {"vertical": 0.05, "slash": 2048, "min_len": 1024}}               # a fraction, counts
-    other.set_config(mi)
-    assert other.config() == mi
-
-
-def test_sparse_policy_defaults_are_the_engines(policy):
-    import inspect
-
-    from engine.sparse.minference import MInferencePolicy
-    from engine.sparse.xattention import XAttentionPolicy
-    for key, cls in (("minference", MInferencePolicy), ("xattention", XAttentionPolicy)):
-        policy.policy_combo.setCurrentIndex(policy.policy_combo.findData(key))
-        params = policy.config()["policy_params"]
-        engine = inspect.signature(cls).parameters
-        assert params == {name: engine[name].default for name in params}, key
-        cls(**params)                                      # the engine takes them as they are
-    assert list(policy.config()["policy_params"]) == ["threshold", "stride", "min_len"]
-
-
-def test_policies_the_engine_lacks_are_disabled(policy):
-    from engine import POLICIES as ENGINE_POLICIES
-    policy.mode_combo.setCurrentIndex(policy.mode_combo.findData("layerwise"))
-    policy.set_engine_policies(ENGINE_POLICIES)
-    model = policy.policy_combo.model()
-    assert all(model.item(policy.policy_combo.findData(k)).isEnabled() for k in ENGINE_POLICIES)
-    policy.set_engine_policies(["full", "quest"])
-    assert not model.item(policy.policy_combo.findData("xattention")).isEnabled()
-    assert "not in the running engine" in policy.policy_tooltip("xattention")
-
-
-def test_busy_label_and_load_progress(policy, qtbot):
-    assert not policy.busy_label.isVisible()
-    policy.set_busy(True)
-    assert policy.busy_label.isVisible() and "next turn" in policy.busy_label.text()
-    assert policy.mode_combo.isEnabled()
-    policy.set_busy(False)
-    assert not policy.busy_label.isVisible()
-    assert "SmolLM2-135M-Instruct" in policy.model_label.text()
-    policy.set_load_progress(0.5, "loading weights")
-    assert policy.load_bar.value() == 500 and policy.load_message.text() == "loading weights"

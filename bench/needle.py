@@ -1,7 +1,7 @@
 """Accuracy harness: does a policy still find a fact hidden in a long document?
 
-    python -m engine.evaluate needle --lengths 2048,4096,7000 --depths 0.1,0.5,0.9 --policy full,quest
-    python -m engine.evaluate needle --model ~/models/Qwen3-4B --lengths 32768 --mode layerwise --json out.json
+    python -m bench.needle needle --lengths 2048,4096,7000 --depths 0.1,0.5,0.9 --policy full,quest
+    python -m bench.needle needle --model ~/models/Qwen3-4B --lengths 32768 --mode layerwise --json out.json
 
 A haystack of plain filler sentences (seeded, so every run is the same) gets one needle at a relative depth:
 a number, a name or a place, each with its question. The engine answers greedily; a hit is an answer that
@@ -88,7 +88,7 @@ def grid(cells: list[Cell], lengths: list[int], depths: list[float], kinds: list
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.needle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="task", required=True)
     n = sub.add_parser("needle", help="needle in a haystack: length x depth grid per policy")

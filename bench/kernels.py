@@ -1,6 +1,6 @@
 """Sparse prefill kernels alone, one layer of a real model's shape: estimate + sparse kernel vs dense attention.
 
-    python -m engine.bench --kernels --shape qwen3-4b --lengths 32768,131072
+    python -m bench --kernels --shape qwen3-4b --lengths 32768,131072
 
 Random weights give flat attention, so the policies' own estimates pick nearly everything there (density ~0.9):
 end-to-end runs on them measure the overhead, not the gain. Here each kernel also runs on patterns of a chosen

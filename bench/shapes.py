@@ -1,5 +1,8 @@
 """Public config.json values of real models (from shared/model_shapes.json), for benchmarks with random
-weights of the same shape: `python -m engine.bench --shape qwen3-4b`."""
+weights of the same shape: `python -m bench --shape qwen3-4b`, or `LLM(shape=shape_config("qwen3-4b"))`."""
+import copy
+
+from engine.errors import ModelError
 
 MODEL_SHAPES = {'qwen3-4b': {'architectures': ['Qwen3ForCausalLM'],
               'model_type': 'qwen3',
@@ -65,3 +68,10 @@ MODEL_SHAPES = {'qwen3-4b': {'architectures': ['Qwen3ForCausalLM'],
                   'max_position_embeddings': 8192,
                   'tie_word_embeddings': True,
                   'hidden_act': 'silu'}}
+
+
+def shape_config(name: str) -> dict:
+    """The config.json values of the model shape `name` (a fresh dict, its name under "_name") for `LLM(shape=...)`."""
+    if name not in MODEL_SHAPES:
+        raise ModelError(f"unknown shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
+    return {**copy.deepcopy(MODEL_SHAPES[name]), "_name": name}

@@ -1,0 +1,56 @@
+"""The main window's menus (File, View, Help) and its window-wide Esc shortcut.
+
+`build_menus(win)` runs once the window has its chat, docks and Quest highlight (app/main_window.py); it sets
+`win.highlight_action` (View → Highlight what Quest reads) and `win.stop_action` (Esc: stop the answer).
+"""
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
+
+from app.bundle import export_bundle_dialog, export_chat_dialog
+
+
+def _action(menu, text, slot, shortcut=None) -> QAction:
+    act = menu.addAction(text)
+    act.triggered.connect(slot)
+    if shortcut is not None:
+        act.setShortcut(QKeySequence(shortcut))
+    return act
+
+
+def show_about(parent: QWidget) -> None:
+    QMessageBox.about(parent, "About kvscope", "<b>kvscope</b><p>Chat with a long document on kvscope's own "
+                      "engine and watch it work: the stream timeline, the ring buffer and the metrics show "
+                      "what each step computed and copied.</p><p>Apache-2.0</p>")
+
+
+def build_menus(win: QMainWindow) -> None:
+    """File (open, new chat, exports, quit), View (a toggle per dock, the Quest highlight, reset layout), Help."""
+    file_menu = win.menuBar().addMenu("&File")
+    _action(file_menu, "&Open document…", win.open_document_dialog, QKeySequence.StandardKey.Open)
+    _action(file_menu, "&New chat", win.new_chat, QKeySequence.StandardKey.New)
+    file_menu.addSeparator()
+    _action(file_menu, "Export &chat…", lambda: export_chat_dialog(win))
+    _action(file_menu, "Export &bundle…", lambda: export_bundle_dialog(win))
+    file_menu.addSeparator()
+    _action(file_menu, "&Quit", win.close, "Ctrl+Q")
+    view_menu = win.menuBar().addMenu("&View")
+    for dock in win.docks.values():
+        view_menu.addAction(dock.toggleViewAction())
+    view_menu.addSeparator()
+    win.highlight_action = QAction("&Highlight what Quest reads", win, checkable=True, checked=True,
+                                   toggled=win.quest_highlight.set_enabled)
+    view_menu.addAction(win.highlight_action)
+    _action(view_menu, "&Reset layout", win.reset_layout)
+    help_menu = win.menuBar().addMenu("&Help")
+    _action(help_menu, "&About kvscope", lambda: show_about(win))
+
+    def stop_answer() -> None:
+        if win.chat.is_streaming() and win.chat.send_button.isEnabled():
+            win.chat.send_button.click()    # the chat's Stop button: shows "Stopping…" and emits stop_requested
+
+    win.stop_action = QAction("Stop the answer", win, shortcut=QKeySequence(Qt.Key.Key_Escape))
+    win.stop_action.triggered.connect(stop_answer)
+    win.addAction(win.stop_action)      # Esc anywhere in the window (the chat's own Esc works too)

@@ -1,0 +1,96 @@
+"""The KV page store's background writer: each tag acknowledged once, a key written once, backpressure, pages it
+cannot write, and queued writes finishing at interpreter exit."""
+import threading
+
+import pytest
+import torch
+
+from engine.offload.storage import KVStore, PageFormat, StoreWriter
+from tests.engine.storage_pages import BIG_LAYOUT, FMT, LAYOUT, key, page, run_python
+
+
+def test_writer_writes_and_acknowledges_each_tag_once(tmp_path):
+    store = KVStore(tmp_path, FMT, 1 << 20)
+    writer = StoreWriter(store)
+    host = torch.stack([page(i) for i in range(6)], dim=1)  # [L, blocks, ...]: strided pages
+    for i in range(6):
+        writer.submit(key(i), host[:, i], ("block", i))
+    assert writer.flush(timeout=30)
+    assert writer.pending == 0
+    assert sorted(writer.acks()) == [("block", i) for i in range(6)]
+    assert writer.acks() == []
+    out = torch.empty(LAYOUT)
+    for i in range(6):
+        assert store.read(key(i), out) and torch.equal(out, page(i))
+    writer.close()
+    writer.close()  # idempotent
+    writer.submit(key(9), page(9), "late")  # after close: acknowledged, not written
+    assert writer.acks() == ["late"] and not store.contains(key(9))
+
+
+def test_writer_writes_a_key_once(tmp_path):
+    store = KVStore(tmp_path, FMT, 1 << 20)
+    writer = StoreWriter(store)
+    writer.submit(key(0), page(0), "first")
+    writer.submit(key(0), page(1), "second")  # same key: already on disk when its turn comes
+    assert writer.flush(timeout=30)
+    assert sorted(writer.acks()) == ["first", "second"]
+    out = torch.empty(LAYOUT)
+    assert store.read(key(0), out) and torch.equal(out, page(0))
+    assert store.usage()[0] == 1
+    writer.close()
+
+
+def test_writer_pending_backpressure_and_flush_timeout(tmp_path, monkeypatch):
+    store = KVStore(tmp_path, FMT, 1 << 20)
+    gate = threading.Event()
+    write = store.write
+    monkeypatch.setattr(store, "write", lambda k, p: gate.wait() and write(k, p))
+    writer = StoreWriter(store, max_pending=1)
+    writer.submit(key(0), page(0), 0)
+    writer.submit(key(1), page(1), 1)  # queued behind the write held at the gate
+    third = threading.Thread(target=writer.submit, args=(key(2), page(2), 2))
+    third.start()
+    third.join(0.2)
+    assert third.is_alive()  # the queue is full: submit blocks
+    assert writer.pending >= 2 and writer.acks() == []
+    assert writer.flush(timeout=0.05) is False
+    gate.set()
+    third.join(30)
+    assert not third.is_alive()
+    assert writer.flush(timeout=30) and writer.pending == 0
+    assert sorted(writer.acks()) == [0, 1, 2]
+    assert all(store.contains(key(i)) for i in range(3))
+    writer.close()
+
+
+@pytest.mark.filterwarnings("ignore:KV page store")
+def test_writer_acknowledges_a_page_it_cannot_write(tmp_path):
+    store = KVStore(tmp_path, FMT, 1 << 20)
+    writer = StoreWriter(store)
+    writer.submit(key(0), torch.zeros(3), "bad shape")
+    writer.submit(key(1), page(1), "good")
+    assert writer.flush(timeout=30)
+    assert sorted(writer.acks()) == ["bad shape", "good"]
+    assert not store.contains(key(0)) and store.contains(key(1))
+    writer.close()
+
+
+_EXITING_WRITER = """
+import sys, torch
+from engine.offload.storage import KVStore, PageFormat, StoreWriter
+layout = {layout}
+writer = StoreWriter(KVStore(sys.argv[1], PageFormat("exit-test", "float32", layout), 1 << 30))
+for i in range(12):
+    writer.submit(f"{{i:032x}}", (torch.arange(2 ** 19, dtype=torch.float32) + i).view(layout), i)
+"""
+
+
+def test_queued_writes_finish_at_interpreter_exit(tmp_path):
+    proc = run_python(_EXITING_WRITER.format(layout=BIG_LAYOUT), str(tmp_path))
+    assert proc.wait(timeout=120) == 0
+    store = KVStore(tmp_path, PageFormat("exit-test", "float32", BIG_LAYOUT), 1 << 30)
+    out = torch.empty(BIG_LAYOUT)
+    for i in range(12):
+        assert store.read(f"{i:032x}", out)
+        assert torch.equal(out, torch.arange(2 ** 19, dtype=torch.float32).view(BIG_LAYOUT) + i)
