@@ -84,7 +84,7 @@ class EngineWorker(QObject):
             self.busy.emit(False)
 
     def _build(self, config: dict) -> None:
-        from engine.llm import check_model
+        from engine.llm import check_config
         if self.llm is not None and config == self.engine_config:
             return
         if self.llm is not None and _without_policy(config) == _without_policy(self.engine_config):
@@ -94,7 +94,7 @@ class EngineWorker(QObject):
             self.engine_config = dict(config)
             self._ready()
             return
-        check_model(config.get("model"))         # a wrong folder is refused while the loaded engine still runs
+        check_config(**config)                    # a wrong folder or setting is refused while the loaded engine runs
         old, previous, self.llm = self.llm, self.engine_config, None
         if old is not None:                       # freed first: two big models may not fit side by side
             old.close()                           # (its disk tier's writes finish)

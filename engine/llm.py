@@ -20,7 +20,7 @@ from engine.sampling import SamplingParams
 from engine.runner import Runner, make_runner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.sparse import make_policy
+from engine.sparse import get_spec, make_policy
 from engine.step import StepContext
 from engine.trace.events import DECODE, HOST, LOAD, PREFILL, TOKENIZE
 from engine.trace.recorder import NULL_RECORDER, Recorder
@@ -346,11 +346,16 @@ class LLM:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
 
-def check_model(model: str | None) -> None:
-    """The cheap checks of a model folder (it exists, its config.json names a supported architecture), without
-    loading anything: the app runs them before it lets go of the engine it has. Raises ModelError/ConfigError."""
-    if model is not None:
-        read_config(_resolve_model_dir(model, None))
+def check_config(**config) -> None:
+    """The cheap checks of an engine's settings, without loading anything: every setting's range, the policy (its
+    mode, each parameter against its spec) and the model folder (it exists, its config.json names a supported
+    architecture). The app runs them before it lets go of the engine it has. Raises ModelError/ConfigError."""
+    cfg = EngineConfig.from_kwargs(**config)
+    spec = get_spec(cfg.policy)
+    spec.check_mode(cfg.mode)
+    spec.validate(cfg.policy_params)
+    if cfg.model is not None:
+        read_config(_resolve_model_dir(cfg.model, None))
 
 
 def _resolve_model_dir(model: str | None, progress: Progress | None) -> Path:

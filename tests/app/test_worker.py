@@ -61,6 +61,10 @@ def test_a_bad_policy_parameter_reaches_the_user_and_keeps_the_engine(worker):
     assert "xattention" in worker.signals.errors[0] and "stride" in worker.signals.errors[0]
     worker.load_model({**config, "policy": "quest", "policy_params": {}})     # Quest cannot run in gpu mode
     assert "layerwise" in worker.signals.errors[-1] and worker.engine_config == config
+    # with another engine setting too (a rebuild): refused from the spec before the loaded engine is let go
+    worker.load_model({**config, "kv_block_size": 128, "policy": "minference", "policy_params": {"vertical": -1}})
+    assert worker.llm is llm and worker.engine_config == config
+    assert worker.signals.errors[-1] == "minference vertical must be in (0, 4194304] (got -1)"
     worker.signals.errors.clear()
 
 
