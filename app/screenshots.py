@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             shots = [("gpu", {"mode": "gpu", "policy": "full"}, None),
                      ("layerwise", {"mode": "layerwise", "policy": "full"}, None),
                      ("quest", {"mode": "layerwise", "policy": "quest",
-                                "policy_params": {"token_budget": 1024, "page_size": 16}}, "quest"),
+                                "policy_params": {"token_budget": 1024, "page_size": 16, "min_context": 0}}, "quest"),
                      ("minference", {"mode": "gpu", "policy": "minference",
                                      "policy_params": {"min_len": 1024, "vertical": 256, "slash": 512}}, "masks")]
             for name, config, dock in shots:

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         mine = [(name, params) for name, params in policies if m in get_spec(name).modes]
         bases.append(Ours(args, max_len, m, *mine[0]))
         ours += [bases[-1]] + [bases[-1].variant(name, params) for name, params in mine[1:]]
-    engines = ours + ([OursTraced(ours[0])] if args.trace else [])
+    engines = ours + ([OursTraced(o) for o in ours] if args.trace else [])   # every mode and policy, traced too
     if not args.no_transformers or args.hf_offloaded:
         hf = Transformers(args, ours[0])
         engines += ([] if args.no_transformers else [hf]) + ([TransformersOffloaded(hf, args.hf_offloaded)]
@@ -121,12 +121,13 @@ def main(argv=None) -> int:
                 line += "".join(f"   {n} {_ratio(vals[n], vals['kvscope'], what)}" for n in vals
                                 if n in ("layerwise", "chunked"))
         line += "".join(f"   {n} {_ratio(vals[n], vals[n.split('+')[0]], what)} vs {n.split('+')[0]}" for n in vals
-                        if "+" in n and n.split("+")[0] in vals)
+                        if "+" in n and not n.endswith("+trace") and n.split("+")[0] in vals)
         if "hf-offloaded" in vals and "layerwise" in vals:
             line += f"   layerwise {_ratio(vals['layerwise'], vals['hf-offloaded'], what)} vs hf-offloaded"
-        if "kvscope+trace" in vals:
-            cost = vals["kvscope"] / vals["kvscope+trace"] if "tok/s" in what else vals["kvscope+trace"] / vals["kvscope"]
-            line += f"   tracing costs {100 * (cost - 1):+.1f}%"
+        for n in [n for n in vals if n.endswith("+trace") and n.removesuffix("+trace") in vals]:
+            base = n.removesuffix("+trace")
+            cost = vals[base] / vals[n] if "tok/s" in what else vals[n] / vals[base]
+            line += f"   tracing costs {base} {100 * (cost - 1):+.1f}%"
         print(line)
     for line in extra["lines"]:
         print(line)
@@ -187,8 +188,10 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int, phases: l
                 o._run(m, new + 1, recall=True)
                 d.update({k: v for k, v in o.last.policy_stats.items()})
                 lines.append(f"  quest: H2D {d['decode_h2d_gb_per_token']:.3f} GB/token (full: {m * per_tok / 1e9:.3f}); "
-                             f"recall {d.get('recall', 1.0):.3f} (with this step's own query "
-                             f"{d.get('recall_current_query', 1.0):.3f}), worst head {d.get('recall_min_head', 1.0):.3f}; "
+                             f"recall {d.get('recall', 1.0):.3f} (the speculation alone "
+                             f"{d.get('recall_speculative', 1.0):.3f}), worst head {d.get('recall_min_head', 1.0):.3f}; "
+                             f"pages fetched by the correction per step and layer "
+                             f"{d.get('fetched_pages_per_step', 0.0):.1f}; "
                              "per layer " + " ".join(f"{r:.2f}" for r in d.get("recall_per_layer", {}).values()))
         if o.llm.plan is not None:
             lines.append(f"  {o.llm.plan.describe()}")

@@ -123,12 +123,12 @@ class Ours:
 
 
 class OursTraced:
-    """The same engine with a recording recorder on: the overhead of tracing, measured side by side."""
-    name = "kvscope+trace"
+    """The same engine (and policy) with a recording recorder on: the overhead of tracing, measured side by side."""
 
     def __init__(self, ours: Ours):
         from engine.trace import TraceRecorder
         self.ours, self.recorder = ours, TraceRecorder(max_steps=256, device=ours.llm.device)
+        self.name = f"{ours.name}+trace"
 
     def _traced(self, fn, *args):
         self.ours.llm.recorder = self.recorder

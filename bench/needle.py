@@ -59,6 +59,7 @@ class Cell:
     prompt_tokens: int
     hit: bool
     answer: str
+    recall: dict | None = None     # Quest with recall on: mean, lowest head, per layer (over the answer's steps)
 
 
 def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds: list[str],
@@ -70,8 +71,11 @@ def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds
             for kind in kinds:
                 ids, _ = needle_document(llm, n, d, kind)
                 out = llm.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
+                st = out.stats.policy_stats
+                recall = ({"mean": st["recall"], "min_head": st["recall_min_head"],
+                           "per_layer": st["recall_per_layer"]} if "recall" in st else None)
                 cells.append(Cell(policy, n, d, kind, len(ids), NEEDLES[kind][2].lower() in out.text.lower(),
-                                  out.text.strip()))
+                                  out.text.strip(), recall))
     return cells
 
 
@@ -113,7 +117,9 @@ def main(argv=None) -> int:
     kinds = args.kinds.split(",")
     cells: list[Cell] = []
     for policy, given in parse_policy_spec(args.policy):
-        params = {"token_budget": args.quest_budget, "page_size": args.quest_page} if policy == "quest" else {}
+        # Quest chooses at every length here (min_context 0): the grid measures its choice, not its dense fallback
+        params = ({"token_budget": args.quest_budget, "page_size": args.quest_page, "min_context": 0}
+                  if policy == "quest" else {})
         params.update(given)
         llm = LLM(args.model, device=args.device, mode=args.mode, policy=policy, policy_params=params,
                   kv_block_size=args.block_size, max_model_len=max(lengths) + 64)
@@ -121,6 +127,18 @@ def main(argv=None) -> int:
         cells += got
         print(f"\n{policy} ({args.mode} mode{', ' + json.dumps(params) if params else ''}):")
         print(grid(got, lengths, depths, kinds), flush=True)
+        measured = [c.recall for c in got if c.recall]
+        if measured:
+            layers: dict[str, list[float]] = {}
+            for r in measured:
+                for layer, v in r["per_layer"].items():
+                    layers.setdefault(layer, []).append(v)
+            low = min(layers, key=lambda l: sum(layers[l]) / len(layers[l]))
+            print(f"recall (attention mass on what was attended, mean over sparse layers and cells): "
+                  f"{sum(r['mean'] for r in measured) / len(measured):.3f}; lowest layer {low} "
+                  f"({sum(layers[low]) / len(layers[low]):.3f}); lowest head in any cell "
+                  f"{min(r['min_head'] for r in measured):.3f}", flush=True)
+        llm.close()
         del llm
     if args.json:
         with open(args.json, "w") as f:

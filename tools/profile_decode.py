@@ -26,13 +26,19 @@ def main() -> None:
     p.add_argument("--policy", default="full")
     p.add_argument("--params", default="{}", help="policy parameters as JSON")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (the split then sees attention's kernels)")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--gpu-kv-budget", default=None, help="layerwise: device KV budget in GB")
     p.add_argument("--python", action="store_true", help="cProfile the host side instead (python functions)")
     p.add_argument("--syncs", action="store_true", help="count host syncs and pageable copies per step, in and out "
                    "of the layer loop")
+    p.add_argument("--split", action="store_true", help="GPU time per step by what launched it: the policy's scoring "
+                   "and selection, the row gathers (loads and corrections), attention, the rest; and the step's wall "
+                   "time")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
-              policy_params=json.loads(a.params))
+              policy_params=json.loads(a.params), enforce_eager=a.eager,
+              **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=a.steps + 4, ignore_eos=True))
     llm.step()                                     # prefill
@@ -52,12 +58,18 @@ def main() -> None:
         pstats.Stats(pr).sort_stats("cumulative").print_stats(a.rows)
         return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    if a.syncs:
+    if a.syncs or a.split:
+        import time
+        t0 = time.perf_counter()
         with profile(activities=acts, with_stack=True) as prof:
             for _ in range(a.steps):
                 llm.step()
             torch.cuda.synchronize()
-        sync_report(prof, a.steps)
+        wall = (time.perf_counter() - t0) / a.steps
+        if a.syncs:
+            sync_report(prof, a.steps)
+        if a.split:
+            split_report(prof, a.steps, wall)
         return
     with profile(activities=acts) as prof:
         for _ in range(a.steps):
@@ -104,6 +116,33 @@ def sync_report(prof, steps: int) -> None:
           f"{counts[('pageable', False)] / steps:g}")
     for key, n in sorted(names.items(), key=lambda kv: -kv[1]):
         print(f"  {n / steps:g}/step  {key[0]}: {key[1]} ({key[2]}) {key[3]}")
+
+
+SPLIT = (("score + select", ("engine/sparse/",)), ("gather (loads, corrections)", ("triton_gather.py",)),
+         ("attention", ("engine/ops/attention.py", "triton_decode.py")))
+
+
+def split_report(prof, steps: int, wall_s: float) -> None:
+    """Each GPU kernel's time, by the first of SPLIT's source files in the stack of the op that launched it."""
+    def where(e) -> str:
+        while e is not None and not e.stack:
+            e = e.cpu_parent
+        frames = e.stack if e is not None else []
+        for name, files in SPLIT:
+            if any(f in frame for frame in frames for f in files):
+                return name
+        return "the rest (projections, MLP, norms, copies)"
+
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        for k in getattr(e, "kernels", []):
+            totals[where(e)] = totals.get(where(e), 0.0) + k.duration / 1e3   # µs -> ms
+    gpu = sum(totals.values())
+    print(f"per decode step over {steps} steps: wall {wall_s * 1e3:.2f} ms (profiled, with stacks), GPU kernels "
+          f"{gpu / steps:.2f} ms")
+    for name, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:45} {ms / steps:8.3f} ms")
+    print("  (copies on the copy streams overlap these; a graph replay's kernels count as 'the rest')")
 
 
 if __name__ == "__main__":

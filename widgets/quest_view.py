@@ -107,6 +107,11 @@ class QuestView(HeatmapView):
     def step_count(self) -> int:
         return len(self._steps)
 
+    def set_dense_reason(self, reason: str | None) -> None:
+        """Why the last turn's Quest attended to everything (the policy's stats say `sparse: false, reason`), shown
+        in place of the picks it did not make; None: the usual hint."""
+        self.hint_label.setText(f"Quest loaded everything this turn: {reason}" if reason else NO_PICKS_HINT)
+
     def current_step(self) -> StepTrace | None:
         return self._steps[self._index] if 0 <= self._index < len(self._steps) else None
 

@@ -49,10 +49,12 @@ class ChunkedRunner(OffloadRunner):
         cb, off = a // bs, a % bs
         earlier = seq.block_table[:cb]
         observe = policy.plans_loads and not is_prefill
-        loads, at = [], []                              # at[l]: index of layer l's first load
+        loads, at, tails = [], [], []                   # at[l]: index of layer l's first load
         for l in range(len(model.layers)):
             at.append(len(loads))
-            loads += self._layer_loads(l, earlier, is_prefill, ctx)
+            layer_loads, tail = self._layer_loads(l, earlier, b, is_prefill, ctx)
+            loads += layer_loads
+            tails.append(tail)
         at.append(len(loads))
         N = oe.ring_slots
         first = self._pos
@@ -70,52 +72,62 @@ class ChunkedRunner(OffloadRunner):
                         own[0, :, off + r0:off + r1] = k.transpose(0, 1)
                         own[1, :, off + r0:off + r1] = v.transpose(0, 1)
                     q = layer.qkv_rows(h, residual, cos_sin, store)
-                    o, lse = attention_lse(q, own[0, :, :b - cb * bs], own[1, :, :b - cb * bs], self.scale, causal=True)
+                    fix = policy.observe_query(l, q[-1], ctx) if observe else None   # before the attention
+                    lo, hi = b - cb * bs - (tails[l] or b - cb * bs), b - cb * bs   # the planned tail, or all
+                    o, lse = attention_lse(q, own[0, :, lo:hi], own[1, :, lo:hi], self.scale, causal=True)
                     for i in range(at[l], at[l + 1]):
-                        o, lse = self._earlier_block(q, o, lse, loads, first, i, rec)
+                        o, lse = self._earlier_block(q, o, lse, loads, first, i, rec, fix)
                 with rec.span(COMPUTE, "mlp", l):
                     layer.post_rows(lse_output(o, q.dtype), h, residual)
+                policy.on_kv_written(l, seq.block_table[cb], own[0], off, b - cb * bs)
                 if b % bs == 0:
                     oe.offload_dbuf(l, seq.block_table[cb])
-                    policy.on_kv_written(l, seq.block_table[cb], own[0])
-                if observe:
-                    policy.observe_query(l, q[-1], max(0, b // bs - 1), ctx)
+                if policy.plans_loads and is_prefill and b == len(seq):   # the prompt's last query: a first choice
+                    policy.observe_query(l, q[-1], ctx)
             done, total = self._progress
             self._progress = (done + 1, total)
             ctx.layer_done(done + 1, total)
         self._pos = first + len(loads)
         return self._logits(h, residual, ctx)
 
-    def _layer_loads(self, layer: int, earlier: list[int], is_prefill: bool, ctx: StepContext) -> list[tuple]:
-        """What layer `layer` streams: each earlier block, or the policy's planned pages in one-block packs."""
+    def _layer_loads(self, layer: int, earlier: list[int], end: int, is_prefill: bool, ctx: StepContext
+                     ) -> tuple[list[tuple], int | None]:
+        """What layer `layer` streams for a chunk ending at token `end`: each earlier block, or the policy's planned
+        rows in one-block packs (then also how many of the newest tokens it attends on the device)."""
         plan = None
         if self.policy.plans_loads and not is_prefill and earlier:
-            plan = self.policy.plan_load(layer, len(earlier), ctx)
+            plan = self.policy.plan_load(layer, end, ctx)
         if plan is None:
-            return [(layer, blk) for blk in earlier]
-        ppb = self.block_size // plan.page_size
-        return [(layer, plan.pages[:, j:j + ppb], plan.page_size) for j in range(0, plan.pages.shape[1], ppb)]
+            return [(layer, blk) for blk in earlier], None
+        bs, n = self.block_size, plan.rows.shape[1]
+        return [(layer, plan.rows[:, j:j + bs], j) for j in range(0, n, bs)], plan.device_tail
 
     def _issue(self, slot: int, item: tuple) -> None:
-        if len(item) == 2:
+        if isinstance(item[1], int):
             self.oe.load(slot, item[0], [item[1]])
         else:
-            self.oe.load_pages(slot, item[0], item[1], item[2])
+            self.oe.load_rows(slot, item[0], item[1])
 
-    def _earlier_block(self, q, o, lse, loads, first: int, i: int, rec):
-        """Attend to the i-th load of this chunk (an earlier block or a pack of pages), then hand its slot to
-        load i + N."""
-        oe, N = self.oe, self.oe.ring_slots
+    def _earlier_block(self, q, o, lse, loads, first: int, i: int, rec, fix=None):
+        """Attend to the i-th load of this chunk (an earlier block, or a pack of planned rows: corrected first
+        where the policy's fix puts rows into it), then hand its slot to load i + N."""
+        oe, N, bs = self.oe, self.oe.ring_slots, self.block_size
         layer = loads[i][0]
         slot = (first + i) % N
         for ev in oe.ready(slot):
             wait_on(ev, self.device, rec, layer, slot)
         if rec.enabled:
-            rec.slot_state(slot, layer, COMPUTING, self.block_size, oe.capacity_tokens)
+            rec.slot_state(slot, layer, COMPUTING, bs, oe.capacity_tokens)
+        n = bs
+        if not isinstance(loads[i][1], int):                            # a pack: rows j .. j + n of the plan
+            j, n = loads[i][2], loads[i][1].shape[1]
+            if fix is not None:
+                here = (fix.dst >= j) & (fix.dst < j + n)
+                oe.fix_rows(slot, layer, fix.rows.masked_fill(~here, -1), (fix.dst - j).clamp(0, n - 1))
         kv = oe.buffers[slot][0]
-        part, part_lse = attention_lse(q, kv[0], kv[1], self.scale)
+        part, part_lse = attention_lse(q, kv[0][:, :n], kv[1][:, :n], self.scale)
         o, lse = merge_lse(o, lse, part, part_lse)
-        oe.release(slot, layer, self.block_size)
+        oe.release(slot, layer, bs)
         if i + N < len(loads):
             self._issue(slot, loads[i + N])
         return o, lse

@@ -1,18 +1,19 @@
-"""CUDA graphs of one layer's decode compute in layerwise mode, one per (layer, buffer, layout).
+"""CUDA graphs of one layer's decode compute in layerwise mode, per (layer, buffer, layout).
 
 At batch 1 a decode layer is ~15 small kernels (norm, qkv, q/k norm + rope, KV store, split-K attention and its
 reduce, o_proj, norm, MLP) whose launches cost more host time than their GPU time: measured on an H100 at 32K
 tokens with Quest, ~2 ms of Python and launches per layer, 21 ms of GPU work per 36-layer step against 76 ms of
 host time. A graph replays them in one launch. Everything around the compute stays eager and per step: waits
 on the copy events, the partly filled block copied in, the offloads, the policy's planning, the prefetches.
+A policy that looks at the layer's query before its attention (Quest's correction) splits the layer in two
+graphs: q, k, v and the KV store; then, after the policy's eager step, the attention and the rest.
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors the step fills before the replays: hidden state and residual (updated in place
-layer after layer), rotary cos/sin, and per layout a [3] meta row (block position of the new token in the
-buffer, its offset in the block, the context length the attention sees): row 0 for buffers holding whole
-blocks, row 1 for buffers packed by a page gather. A meta row is staged through a small ring of pinned host
-rows and copied with non_blocking=True: no host sync in the layer loop. q comes out in a static tensor (the
-policy observes it).
+layer after layer), rotary cos/sin, and per layout a [3] meta row (block and offset of the new token in the
+buffer, the context length the attention sees): row 0 for buffers holding whole blocks, row 1 for buffers
+packed by a row gather. A meta row is staged through a small ring of pinned host rows and copied with
+non_blocking=True: no host sync in the layer loop. q comes out in a static tensor.
 """
 from __future__ import annotations
 
@@ -28,14 +29,13 @@ STAGING_ROWS = 64   # pinned rows reused round robin: a step stages at most a fe
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 table: torch.Tensor, block_size: int, chunk_tokens: int = 0):
+                 table: torch.Tensor, chunk_tokens: int = 0):
         """kv_views(buf) -> K, V of a buffer as [blocks, offset, head, dim] views; table [1, blocks] int32 is the
         identity block table of a buffer."""
         a = model.args
         p = model.embed_tokens.weight
         dev, dt = p.device, p.dtype
         self.model, self.kv_views, self.table, self.chunk = model, kv_views, table, chunk_tokens
-        self.block_size = block_size
         self.scale = model.layers[0].self_attn.scale
         self.h = torch.zeros(1, a.hidden_size, dtype=dt, device=dev)
         self.residual = torch.zeros_like(self.h)
@@ -46,55 +46,59 @@ class DecodeGraphs:
         self._staging = torch.zeros(STAGING_ROWS, 3, dtype=torch.long, pin_memory=True)
         self._next_row = 0
         self._meta_now: list[tuple | None] = [None, None]    # what each meta row holds (host copy)
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self._warm: set[tuple[int, int, int]] = set()
-        self._step: tuple[int, int, int] = (0, 0, 0)
+        self._warm: set[tuple] = set()
 
-    def begin(self, h, residual, cos_sin, n_host: int, offset: int, end: int) -> None:
-        """A new decode step: its inputs into the static tensors; n_host full blocks precede the new token at
-        `offset` in its block, `end` tokens in all."""
+    def begin(self, h, residual, cos_sin) -> None:
+        """A new decode step: its inputs into the static tensors."""
         self.h.copy_(h)
         self.residual.copy_(residual)
         self.cos.copy_(cos_sin[0])
         self.sin.copy_(cos_sin[1])
-        self._step = (n_host, offset, end)
 
-    def _set_meta(self, v: int, at: int) -> None:
-        n_host, offset, end = self._step
-        want = (at, offset, end - (n_host - at) * self.block_size)
-        if self._meta_now[v] != want:
+    def _set_meta(self, v: int, values: tuple[int, int, int]) -> None:
+        if self._meta_now[v] != values:
             row = self._staging[self._next_row]
             self._next_row = (self._next_row + 1) % STAGING_ROWS
-            row[0], row[1], row[2] = want
+            row[0], row[1], row[2] = values
             self.meta[v].copy_(row, non_blocking=True)
-            self._meta_now[v] = want
+            self._meta_now[v] = values
 
-    def run(self, layer: int, buf: int, at: int) -> torch.Tensor:
-        """Replay (capturing on first use) the layer's compute over buffer `buf`, whose block `at` holds the new
-        token (at < n_host: the buffer is packed by pages); -> q [1, Hq, D] (static)."""
-        v = int(at != self._step[0])
-        self._set_meta(v, at)
-        key = (layer, buf, v)
+    def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int],
+            between: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Replay (capturing on first use) the layer's compute over buffer `buf` in layout v (0 whole blocks,
+        1 packed rows), the new token at (block, offset) = meta[:2] and meta[2] tokens attended. `between(q)`,
+        if given, runs eagerly after q is made and before the attention. -> q [1, Hq, D] (static)."""
+        self._set_meta(v, meta)
+        parts = ("all",) if between is None else ("pre", "post")
+        for part in parts:
+            self._replay((layer, buf, v, part))
+            if part == "pre":
+                between(self.q)
+        return self.q
+
+    def _replay(self, key: tuple) -> None:
         graph = self.graphs.get(key)
         if graph is None and key not in self._warm:   # first time: eager (compiles what the capture will record)
             self._warm.add(key)
-            self._body(layer, buf, v)
-            return self.q
+            self._body(*key)
+            return
         if graph is None:
             graph = self.graphs[key] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._body(layer, buf, v)
+                self._body(*key)
             self.pool = graph.pool()
         graph.replay()
-        return self.q
 
-    def _body(self, layer: int, buf: int, v: int) -> None:
+    def _body(self, layer: int, buf: int, v: int, part: str) -> None:
         K, V = self.kv_views(buf)
         mod = self.model.layers[layer]
-        slots = self.meta[v, :2, None]
-        q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin),
-                         lambda k, v_, a, b: store_kv(k, v_, K, V, slots), self.chunk)
-        self.q.copy_(q)
-        o = decode_attention(q, K, V, self.table, self.meta[v, 2:3], self.scale)
-        mod.post_rows(o, self.h, self.residual, self.chunk)
+        if part in ("all", "pre"):
+            slots = self.meta[v, :2, None]
+            q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin),
+                             lambda k, v_, a, b: store_kv(k, v_, K, V, slots), self.chunk)
+            self.q.copy_(q)
+        if part in ("all", "post"):
+            o = decode_attention(self.q, K, V, self.table, self.meta[v, 2:3], self.scale)
+            mod.post_rows(o, self.h, self.residual, self.chunk)

@@ -40,9 +40,9 @@ class LayerwiseRunner(OffloadRunner):
         self._steps = 0  # ring positions continue across steps: streamed layer j of step k is at k * S + j
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
-        self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.block_size, self.chunk_tokens)
+        self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.chunk_tokens)
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
-        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, packed blocks, plan key) if loaded by pages
+        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key) if by rows
         return oe
 
     def _buffer(self, layer: int) -> int:
@@ -57,57 +57,90 @@ class LayerwiseRunner(OffloadRunner):
         table = seq.block_table
         h, residual, pos, cos_sin = self._inputs(seq, start, end)
         slots = torch.stack([pos // bs, pos % bs])
-        context = None if is_prefill else torch.full((1,), end, dtype=torch.long, device=self.device)
         graphs = None if is_prefill else self.decode_graphs
-        if graphs is not None:       # decode: each layer's compute is one graph replay over static inputs
-            graphs.begin(h, residual, cos_sin, n_host, start % bs, end)
+        if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
+            graphs.begin(h, residual, cos_sin)
             h, residual = graphs.h, graphs.residual
-        observe = policy.plans_loads       # the last query of each layer (the prompt's chooses the first pages)
+        observe = policy.plans_loads       # each layer's last query (at prefill the prompt's: the first choice)
         S, N = len(self.streamed), oe.ring_slots
         for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
-            self._load(oe.resident[layer], layer, table[:n_host], is_prefill, ctx)
+            self._load(oe.resident[layer], layer, table[:n_host], end, is_prefill, ctx)
         for j in range(min(N, S)):                   # no-op where last step's prefetch already did it
-            self._load(self._buffer(self.streamed[j]), self.streamed[j], table[:n_host], is_prefill, ctx)
+            self._load(self._buffer(self.streamed[j]), self.streamed[j], table[:n_host], end, is_prefill, ctx)
         for l, layer in enumerate(model.layers):
             buf = self._buffer(l)
             packed = self._packed[buf] if self._packed[buf] and self._packed[buf][0] == l else None
-            at = n_host if packed is None else packed[1]  # where block n_host sits in the buffer
             with rec.span(COMPUTE, model.layer_names[l], l, slot=buf if buf < N else None):
                 for ev in oe.ready(buf):
                     wait_on(ev, self.device, rec, l, buf if buf < N else None)
                 if rec.enabled and buf < N:
                     rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens)
-                oe.writing(buf, at)
-                if start > n_host * bs:              # decode: the partly filled block, kept on the device
-                    oe.buffers[buf][at].copy_(oe.dbuf[l])
-                if graphs is not None:               # decode, one replay: q out, h and residual in place
-                    q_last = graphs.run(l, buf, at)
+                new, context = self._place_newest(l, buf, packed, n_host, start, end)  # new token's (block, offset)
+                q_last = None
+                if observe and policy.wants_layer_keys:
+                    ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
+                if graphs is not None:               # decode: q out, h and residual in place
+                    between = None if not observe else (lambda q: self._observe(l, buf, q[0], ctx))
+                    graphs.run(l, buf, int(packed is not None), (*new, context), between)
                 else:
                     with rec.span(COMPUTE, "attention", l):
                         K, V = oe.kv_views(buf)
-                        where = slots if packed is None else torch.stack([slots[0] - n_host + at, slots[1]])
+                        where = slots if packed is None else torch.tensor(new, device=self.device)[:, None]
                         q = layer.qkv_rows(h, residual, cos_sin, lambda k, v, a, b: store_kv(
                             k, v, K, V, where[:, a:b]), self.chunk_tokens)
-                        q_last = q[-1:].clone() if observe else None   # prefill attention may consume q
+                        if observe and is_prefill:   # observed once its blocks' keys are written (below)
+                            q_last = q[-1].clone()   # (the prefill attention may consume q)
+                        elif observe:                # decode: before the attention, which uses its choice
+                            self._observe(l, buf, q[-1], ctx)
                         if is_prefill:
                             o = self._prefill_attention(q, buf, end, l, ctx)
                         else:
-                            o = decode_attention(q, K, V, self.table[:, :at + 1], context - (n_host - at) * bs,
-                                                 self.scale)
+                            o = decode_attention(q, K, V, self.table[:, :-(-context // bs)],
+                                                 torch.full((1,), context, device=self.device), self.scale)
                         del q                        # long prompts: q and o are 1 GiB each at 128K
                     with rec.span(COMPUTE, "mlp", l):
                         layer.post_rows(o, h, residual, self.chunk_tokens)
                         del o
-                self._after_layer(seq, l, buf, n_host, n_done, end, at)
-                if observe:
-                    if policy.wants_layer_keys:
-                        ctx.layer_keys = lambda: self._layer_keys(l, buf, at, n_host, end, ctx)
-                    policy.observe_query(l, q_last[0], max(0, n_done - 1), ctx)
+                self._after_layer(seq, l, buf, packed, n_host, n_done, start, end, new)
+                if q_last is not None:
+                    policy.observe_query(l, q_last, ctx)
             if buf < N:
                 self._prefetch(seq, self.streamed.index(l), n_host, n_done, is_prefill, ctx)
             ctx.layer_done(l + 1, len(model.layers))
         self._steps += 1
         return self._logits(h, residual, ctx)
+
+    def _observe(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext) -> None:
+        """Show the policy the layer's query (q [Hq, D]) before its attention, and apply the correction it returns."""
+        fix = self.policy.observe_query(l, q, ctx)
+        if fix is not None and not ctx.is_prefill:
+            self.oe.fix_rows(buf, l, fix.rows, fix.dst)
+
+    def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):
+        """Decode: put the partly filled block's tokens where the attention expects them -> the new token's
+        (block, offset) in the buffer and the context the attention sees. Whole blocks: the partial block right
+        after the host blocks. Packed rows: the plan's device tail (the newest tokens) right after the rows."""
+        oe, bs = self.oe, self.block_size
+        if packed is None:
+            oe.writing(buf, n_host)
+            if start > n_host * bs:                  # the partly filled block, kept on the device
+                oe.buffers[buf][n_host].copy_(oe.dbuf[l])
+            return (n_host, start % bs), end
+        n_rows, tail = packed[1], packed[2]
+        partial = end - n_host * bs                  # tokens of the block being filled, the new one included
+        self._copy_tokens(oe.buffers[buf], n_rows, oe.dbuf[l], partial - tail, partial - 1)
+        f = n_rows + tail - 1
+        return (f // bs, f % bs), n_rows + tail
+
+    def _copy_tokens(self, dst: torch.Tensor, at: int, src: torch.Tensor, a: int, b: int) -> None:
+        """Tokens a..b-1 of one block [2, Hkv, bs, D] -> flat token positions at.. of a buffer [blocks, 2, Hkv, bs,
+        D] (a block boundary there splits the copy in two)."""
+        bs = self.block_size
+        while a < b:
+            blk, off = at // bs, at % bs
+            n = min(b - a, bs - off)
+            dst[blk, :, :, off:off + n].copy_(src[:, :, a:a + n])
+            a, at = a + n, at + n
 
     def _prefill_attention(self, q, buf: int, end: int, l: int, ctx: StepContext) -> torch.Tensor:
         """The policy's prefill attention over the layer's whole K, V (cached prefix + new tokens)."""
@@ -118,49 +151,67 @@ class LayerwiseRunner(OffloadRunner):
         v = b[:, 1].transpose(0, 1).reshape(hkv, -1, d)[:, :end]
         return self.policy.prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), l, self.scale, ctx)
 
-    def _after_layer(self, seq, l, buf, n_host, n_done, end, at) -> None:
-        """Offload the blocks completed in this step (block n_host sits at buffer position `at`), keep the partly
-        filled one in the decode buffer, release the buffer."""
-        oe, bs = self.oe, self.block_size
-        if n_done > n_host:                                             # blocks completed in this step
-            positions = list(range(at, at + n_done - n_host))
-            oe.offload(buf, l, positions, seq.block_table[n_host:n_done])
-            for p, i in zip(positions, range(n_host, n_done)):
-                self.policy.on_kv_written(l, seq.block_table[i], oe.buffers[buf][p, 0])
-        if end % bs:                                                    # the partly filled block stays here
-            oe.dbuf[l].copy_(oe.buffers[buf][at + n_done - n_host])
+    def _after_layer(self, seq, l, buf, packed, n_host, n_done, start, end, new) -> None:
+        """Offload the blocks completed in this step, keep the partly filled one in the decode buffer (the policy
+        sees its keys), release the buffer."""
+        oe, bs, policy = self.oe, self.block_size, self.policy
+        table = seq.block_table
+        if packed is None:
+            if n_done > n_host:                                         # blocks completed in this step
+                positions = list(range(n_host, n_done))
+                oe.offload(buf, l, positions, table[n_host:n_done])
+                for p, i in zip(positions, range(n_host, n_done)):
+                    policy.on_kv_written(l, table[i], oe.buffers[buf][p, 0], max(0, start - i * bs), bs)
+            if end % bs:                                                # the partly filled block stays here
+                wait_on(oe.dbuf_read[l], self.device)
+                oe.dbuf[l].copy_(oe.buffers[buf][n_done])
+                policy.on_kv_written(l, table[n_done], oe.dbuf[l][0], max(0, start - n_done * bs), end % bs)
+        else:                                                           # decode over packed rows: one new token
+            partial = end - n_host * bs
+            if partial == 1:
+                wait_on(oe.dbuf_read[l], self.device)                  # the last block's offload has read it
+            oe.dbuf[l][:, :, partial - 1].copy_(oe.buffers[buf][new[0], :, :, new[1]])
+            policy.on_kv_written(l, table[n_host], oe.dbuf[l][0], partial - 1, partial)
+            if partial == bs:
+                oe.offload_dbuf(l, table[n_host])
         oe.release(buf, l, end)
 
-    def _layer_keys(self, l: int, buf: int, at: int, n_host: int, end: int, ctx: StepContext) -> torch.Tensor:
-        """All of layer l's keys [Hkv, end, D]: the host blocks before this step and the buffer's partial block."""
+    def _layer_keys(self, l: int, buf: int, new: tuple, n_host: int, end: int, ctx: StepContext) -> torch.Tensor:
+        """All of layer l's keys [Hkv, end, D]: the host blocks before this step, the partly filled block's earlier
+        tokens (decode buffer) and the new token's (in the buffer)."""
         oe, bs = self.oe, self.block_size
         oe.synchronize()                                                  # the host copies of earlier blocks
-        k = oe.host[l, ctx.block_table[:n_host].to(oe.host.device), 0].to(self.device)                            # [n, Hkv, bs, D]
-        return torch.cat([k.transpose(0, 1).flatten(1, 2), oe.buffers[buf][at, 0, :, :end - n_host * bs]], dim=1)
+        k = oe.host[l, ctx.block_table[:n_host].to(oe.host.device), 0].to(self.device)   # [n, Hkv, bs, D]
+        partial = end - n_host * bs
+        return torch.cat([k.transpose(0, 1).flatten(1, 2), oe.dbuf[l][0, :, :partial - 1],
+                          oe.buffers[buf][new[0], 0, :, new[1]:new[1] + 1]], dim=1)
 
-    def _load(self, buf: int, layer: int, blocks: list[int], is_prefill: bool, ctx: StepContext) -> None:
-        """Load a layer's host blocks into a buffer: all of them, or, at decode, what the policy plans (pages
-        packed per kv head)."""
+    def _load(self, buf: int, layer: int, blocks: list[int], context_len: int, is_prefill: bool,
+              ctx: StepContext) -> None:
+        """Load a layer's host blocks into a buffer: all of them, or, at decode, the rows the policy plans for a
+        step of context_len tokens (packed per kv head)."""
         plan = None
         if self.policy.plans_loads and not is_prefill and layer not in self.oe.resident:
-            plan = self.policy.plan_load(layer, len(blocks), ctx)
+            plan = self.policy.plan_load(layer, context_len, ctx)
         if plan is None:
             self._packed[buf] = None
             self.oe.load(buf, layer, blocks)
             return
-        if self._packed[buf] is not None and self._packed[buf][2] == plan.key:
+        if self._packed[buf] is not None and self._packed[buf][3] == plan.key:
             return                   # already loaded (the previous step's prefetch)
-        self.oe.load_pages(buf, layer, plan.pages, plan.page_size)
-        self._packed[buf] = (layer, -(-plan.pages.shape[1] * plan.page_size // self.block_size), plan.key)
+        self.oe.load_rows(buf, layer, plan.rows)
+        self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key)
 
     def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool, ctx: StepContext) -> None:
         """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or the next one)."""
         S, N = len(self.streamed), self.oe.ring_slots
         nxt = j + N
         if nxt < S:  # this step's: dense in a prefill (a stale selection must not leak into it)
-            layer, blocks, k, prefill = self.streamed[nxt], seq.block_table[:n_host], self._steps, is_prefill
+            layer, blocks, k, prefill, length = self.streamed[nxt], seq.block_table[:n_host], self._steps, \
+                is_prefill, len(seq)
         elif not is_prefill and len(seq) < self.max_model_len:         # the next decode step's layers
-            layer, blocks, k, prefill = self.streamed[nxt - S], seq.block_table[:n_done], self._steps + 1, False
+            layer, blocks, k, prefill, length = self.streamed[nxt - S], seq.block_table[:n_done], self._steps + 1, \
+                False, len(seq) + 1
         else:
             return
-        self._load(self.oe.buffer_for(layer, k * S + self.streamed.index(layer)), layer, blocks, prefill, ctx)
+        self._load(self.oe.buffer_for(layer, k * S + self.streamed.index(layer)), layer, blocks, length, prefill, ctx)

@@ -160,32 +160,42 @@ class OffloadEngine:
             rec.slot_state(slot, layer, READY, tokens, cap, event=self.loaded[buf])
         self.bytes_h2d += nbytes
 
-    def load_pages(self, buf: int, layer: int, pages: torch.Tensor, page_size: int, **trace) -> None:
-        """Per-kv-head pages of `layer` -> packed into the buffer: page j of head h lands at position j (block
-        j // pages_per_block, tokens (j % pages_per_block) * page_size ...), so each head attends to its own
-        selection through one block table. pages: [Hkv, k] global page ids (block * pages_per_block + i).
-
-        One gather per load, never a copy per page: on CUDA a Triton kernel reads the pinned pool over PCIe
-        through its device mapping (engine/ops/triton_gather.py); on CPU the copy thread indexes the pool."""
-        from engine.ops.triton_gather import gather_pages, gather_pages_reference
-        hkv, k = pages.shape
+    def load_rows(self, buf: int, layer: int, rows: torch.Tensor, **trace) -> None:
+        """Per-kv-head tokens of `layer` -> packed into the buffer: rows[h, j] (a host-pool token, block *
+        block_size + offset) lands at token j of head h, so each head attends to its own selection through one
+        block table. One gather per load, never a copy per token or page: on CUDA a Triton kernel reads the pinned
+        pool over PCIe through its device mapping (engine/ops/triton_gather.py); on CPU the copy thread indexes."""
+        from engine.ops.triton_gather import gather_rows, gather_rows_reference
+        hkv, n = rows.shape
         two, _, bs, d = self.block_shape
         cuda = self.device.type == "cuda"
-        src = (self._device_view() if cuda else self.host)[layer]       # [NB, 2, Hkv, bs, D]
+        src = self._source(layer)
         dst = self.buffers[buf]
-        pages = pages.to(dst.device, non_blocking=True)
+        rows = rows.to(dst.device, non_blocking=True)
         if cuda:  # made on the compute stream, used on the copy stream: keep it alive there
-            pages.record_stream(self.h2d.stream)
-        gather = gather_pages if cuda else gather_pages_reference
-        self.held[buf] = {}                                              # packed pages: no whole blocks held
-        nbytes = hkv * k * two * page_size * d * self.dtype.itemsize
+            rows.record_stream(self.h2d.stream)
+        gather = gather_rows if cuda else gather_rows_reference
+        self.held[buf] = {}                                              # packed rows: no whole blocks held
+        nbytes = hkv * n * two * d * self.dtype.itemsize
         slot = buf if buf < self.ring_slots else None
-        self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, pages, page_size),
+        self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows),
                                         (self.free[buf], self.read[buf], self.loaded[buf], self.layer_written[layer],
                                          compute_done(self.device)),
-                                        recorder=self.recorder, name=f"load L{layer} pages", layer=layer, slot=slot,
-                                        nbytes=nbytes, pages=k, **trace)
+                                        recorder=self.recorder, name=f"load L{layer} rows", layer=layer, slot=slot,
+                                        nbytes=nbytes, tokens=n, **trace)
         self.bytes_h2d += nbytes
+
+    def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Host-pool rows -> packed positions dst_rows of a loaded buffer, on the compute stream (a correction
+        right before attention; rows of -1 are skipped). How many it moved is known on the device only: the policy
+        counts them (Quest's `quest_fetched`), bytes_h2d does not."""
+        from engine.ops.triton_gather import gather_rows, gather_rows_reference
+        gather = gather_rows if self.device.type == "cuda" else gather_rows_reference
+        gather(self._source(layer), self.buffers[buf], rows, dst_rows)
+
+    def _source(self, layer: int) -> torch.Tensor:
+        """One layer of the host pool as kernels read it: on CUDA through the pool's device mapping."""
+        return (self._device_view() if self.device.type == "cuda" else self.host)[layer]
 
     def _device_view(self) -> torch.Tensor:
         """A CUDA tensor over the registered (pinned, mapped) host pool: kernels read it over PCIe."""

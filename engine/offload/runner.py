@@ -88,6 +88,7 @@ class OffloadRunner:
             rec.resolve_deferred()
         with rec.span(HOST, "sample"):
             tokens = self.sampler(logits, [seq.params], [seq.seq_id])
+        self.policy.end_step(ctx)      # after the sampler's sync: what the policy reads of the step is ready
         if self.device.type != "cuda" and rec.enabled:
             self.oe.synchronize()  # CPU: the step's copies land in the step's trace
         return tokens
@@ -113,7 +114,7 @@ class OffloadRunner:
             for layer in range(self.args.num_layers):
                 keys = self.oe.host[layer, idx, 0].to(self.device)          # [n, Hkv, bs, D]
                 for b, k in zip(block_ids, keys):
-                    self.policy.on_kv_written(layer, b, k)
+                    self.policy.on_kv_written(layer, b, k, 0, self.block_size)
 
     def sync(self) -> None:
         """Every offload issued so far has landed in the host pool."""

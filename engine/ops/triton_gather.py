@@ -1,14 +1,15 @@
-"""Gather KV pages per kv head into a packed device buffer (Quest's page loads), in one kernel.
+"""Gather KV rows (tokens) per kv head from the host pool into a packed device buffer, in one kernel.
 
-Grid (Hkv, k, 2): a program copies one page (page_size x D) of one kv head, K or V. On CUDA the source is the
-pinned host pool seen through its device mapping, so the reads cross PCIe: a program reads its page as one
-[P, D] tile (contiguous rows of D elements, 16-byte vector loads), where torch's advanced indexing reads
-element by element (measured about 5 GB/s on an H100 for 8 KiB pages). The torch expression in
-`gather_pages_reference` is the same operation, the CPU path, and the test reference.
+A decode policy that loads part of a layer's KV (Quest, StreamingLLM) names, per kv head, the tokens to bring:
+`rows[h, j]` is a token of the layer's host pool (block * block_size + offset), packed at position j of the
+buffer, or at `dst_rows[h, j]` when given (a correction that replaces some rows in place). A row of -1 is
+skipped. Grid (Hkv, ceil(n / R), 2): a program copies R rows of one kv head, K or V, each row D contiguous
+elements. On CUDA the source is the pinned host pool seen through its device mapping, so the reads cross PCIe
+once, straight into place (no staging copy); runs of consecutive tokens (a page) are consecutive addresses.
+`gather_rows_reference` is the same operation in torch: the CPU path and the test reference.
 
 Layouts (elements): src [blocks, 2, Hkv, block_size, D] (one layer of the host pool), dst
-[slot_blocks, 2, Hkv, block_size, D]; page p of a head is block p // ppb, tokens (p % ppb) * P ...; packed page j
-of head h lands at dst block j // ppb, tokens (j % ppb) * P ... of that head.
+[slot_blocks, 2, Hkv, block_size, D]; token t of either is block t // block_size, offset t % block_size.
 """
 import torch
 
@@ -18,42 +19,55 @@ try:
 except ImportError:  # CPU-only installs use the reference
     triton = None
 
+ROWS = 16   # rows per program
 
-def gather_pages_reference(src: torch.Tensor, dst: torch.Tensor, pages: torch.Tensor, page_size: int) -> None:
+
+def gather_rows_reference(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
+                          dst_rows: torch.Tensor | None = None) -> None:
     nb, two, hkv, bs, d = src.shape
-    ppb = bs // page_size
-    k = pages.shape[1]
-    s = src.view(nb, two, hkv, ppb, page_size, d)
-    t = dst.view(dst.shape[0], two, hkv, ppb, page_size, d)
-    heads = torch.arange(hkv, device=pages.device)[:, None].expand(hkv, k)
-    pos = torch.arange(k, device=pages.device)[None].expand(hkv, k)
-    t[(pos // ppb).to(dst.device), :, heads.to(dst.device), (pos % ppb).to(dst.device)] = \
-        s[pages // ppb, :, heads, pages % ppb].to(dst.device)
+    n = rows.shape[1]
+    rows = rows.to(src.device)
+    heads = torch.arange(hkv, device=src.device)[:, None].expand(hkv, n)
+    to = (torch.arange(n, device=src.device)[None].expand(hkv, n) if dst_rows is None
+          else dst_rows.to(src.device))
+    keep = rows >= 0
+    r, h, t = rows[keep], heads[keep], to[keep]
+    vals = src[r // bs, :, h, r % bs].to(dst.device)                  # [m, 2, D]
+    t, h = t.to(dst.device), h.to(dst.device)
+    dst[t // bs, :, h, t % bs] = vals
 
 
 if triton is not None:
     @triton.jit
-    def _gather_kernel(src, dst, pages, k, s_blk, s_kv, s_head, s_tok, d_blk, d_kv, d_head, d_tok,
-                       PPB: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
+    def _gather_rows_kernel(src, dst, rows, dst_rows, n, s_blk, s_kv, s_head, s_tok, d_blk, d_kv, d_head, d_tok,
+                            BS: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_DST: tl.constexpr):
         h = tl.program_id(0)
-        j = tl.program_id(1)
+        j = tl.program_id(1) * R + tl.arange(0, R)
         kv = tl.program_id(2)
-        page = tl.load(pages + h * k + j).to(tl.int64)
-        rows = tl.arange(0, P)[:, None]
+        inside = j < n
+        tok = tl.load(rows + h * n + j, mask=inside, other=-1).to(tl.int64)
+        if HAS_DST:
+            to = tl.load(dst_rows + h * n + j, mask=inside, other=-1).to(tl.int64)
+        else:
+            to = j.to(tl.int64)
+        ok = (tok >= 0) & inside
         cols = tl.arange(0, D)[None, :]
-        base = (page // PPB) * s_blk + kv * s_kv + h * s_head + ((page % PPB) * P) * s_tok
-        x = tl.load(src + base + rows * s_tok + cols)
-        jj = j.to(tl.int64)
-        out = (jj // PPB) * d_blk + kv * d_kv + h * d_head + ((jj % PPB) * P) * d_tok
-        tl.store(dst + out + rows * d_tok + cols, x)
+        base = (tok // BS) * s_blk + kv * s_kv + h * s_head + (tok % BS) * s_tok
+        x = tl.load(src + base[:, None] + cols, mask=ok[:, None], other=0.0)
+        out = (to // BS) * d_blk + kv * d_kv + h * d_head + (to % BS) * d_tok
+        tl.store(dst + out[:, None] + cols, x, mask=ok[:, None])
 
 
-def gather_pages(src: torch.Tensor, dst: torch.Tensor, pages: torch.Tensor, page_size: int) -> None:
-    """dst <- per-head pages of src (see the module docstring). pages: int64 [Hkv, k] on dst's device."""
+def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> None:
+    """dst <- per-head rows of src (see the module docstring). rows (and dst_rows): int64 [Hkv, n] on dst's device."""
     if triton is None or src.stride(-1) != 1 or dst.stride(-1) != 1:
-        return gather_pages_reference(src, dst, pages, page_size)
-    hkv, k = pages.shape
-    bs, d = src.shape[3], src.shape[4]
-    pages = pages.contiguous()
-    _gather_kernel[(hkv, k, 2)](src, dst, pages, k, *src.stride()[:4], *dst.stride()[:4],
-                                PPB=bs // page_size, P=page_size, D=d, num_warps=4)
+        return gather_rows_reference(src, dst, rows, dst_rows)
+    hkv, n = rows.shape
+    if n == 0:
+        return
+    rows = rows.contiguous()
+    dst_rows = rows if dst_rows is None else dst_rows.contiguous()
+    _gather_rows_kernel[(hkv, triton.cdiv(n, ROWS), 2)](
+        src, dst, rows, dst_rows, n, *src.stride()[:4], *dst.stride()[:4], BS=src.shape[3], R=ROWS, D=src.shape[4],
+        HAS_DST=dst_rows is not rows, num_warps=4)
+

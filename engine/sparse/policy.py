@@ -4,14 +4,17 @@ A policy decides; a runner executes. The runners call these hooks and know nothi
 
 - `prefill_attention(q, k, v, layer, scale, ctx)`: a layer's prefill attention over its whole K, V (compute
   policies: MInference, XAttention). The default is dense causal attention.
-- `on_kv_written(layer, block_id, keys)`: a full block left the device for the host pool; its post-RoPE keys
-  [Hkv, block_size, D] are on the device until the hook returns (metadata: Quest's key bounds). Blocks read
-  from the disk tier are shown to the policies that plan loads (their keys are copied up for it).
-- At decode, for policies with `plans_loads`: `plan_load(layer, n_blocks, ctx)` says what of the layer's first
-  `n_blocks` host blocks to bring to the device (a `LoadPlan`, or None for all of them), and
-  `observe_query(layer, q, n_blocks, ctx)` shows the policy the layer's query once it exists (Quest chooses
-  its next pages with it). Loads run ahead of the query, so a plan is made from an earlier query.
-- `step_metrics()`: figures of the step that just ran, for its trace (e.g. Quest's recall per layer).
+- `on_kv_written(layer, block_id, keys, start, end)`: tokens start..end-1 of a host block were written (the ones
+  before are unchanged), and its post-RoPE keys [Hkv, block_size, D] are on the device until the hook returns
+  (metadata: Quest's key bounds). Called for every block a step writes to, the one being filled included.
+  Blocks read from the disk tier are shown to the policies that plan loads (keys copied up for it).
+- At decode, for policies with `plans_loads`: `plan_load(layer, context_len, ctx)` says which of the layer's
+  tokens to bring to the device for a step whose sequence has context_len tokens (a `LoadPlan`, or None for
+  all of them). Loads run ahead of the query, so a plan is made from an earlier query; `observe_query(layer, q,
+  ctx)` then shows the policy the layer's own query before its attention, and may return a `RowFix` that
+  corrects what was loaded (Quest fetches the pages the query chooses that the plan lacked). Layerwise mode
+  also shows it the prompt's last query of each layer at prefill (it chooses the first decode step's pages).
+- `end_step(ctx)` once per step; `step_metrics()`: figures of the step that just ran, for its trace.
 
 A policy reports what it decided to `ctx.recorder`; it never touches a stream, a ring slot or the host pool.
 Its parameters are declared in engine/sparse/specs.py (`spec`), validated there before it is made.
@@ -41,13 +44,22 @@ class KVLayout:
 
 @dataclass
 class LoadPlan:
-    """What one layer needs on the device at a decode step: `pages` [Hkv, k] global page ids (host block b holds
-    pages b * block_size // page_size + 0, 1, ...), per kv head, the always-kept ones included, in the order they
-    are packed into the buffer (k * page_size must fill whole blocks). `key` names the plan: a buffer that holds
-    it already is not loaded again."""
-    pages: torch.Tensor
-    page_size: int
+    """What one layer attends to at a decode step whose sequence has `context_len` tokens: `rows` [Hkv, n], per kv
+    head, tokens of the layer's host pool (host block * block_size + offset) packed in this order, followed by the
+    sequence's newest `device_tail` tokens (of the block being filled, the new token last: on the device already).
+    Each kv head attends to exactly n + device_tail tokens. `key` names the plan (a buffer that holds it already
+    is not loaded again)."""
+    rows: torch.Tensor
+    device_tail: int
     key: tuple
+
+
+@dataclass
+class RowFix:
+    """A correction of a loaded plan, made with the layer's own query before its attention: host-pool rows
+    [Hkv, m] replace the packed positions `dst` [Hkv, m] (rows of -1: nothing to replace)."""
+    rows: torch.Tensor
+    dst: torch.Tensor
 
 
 class SparsePolicy:
@@ -101,13 +113,16 @@ class SparsePolicy:
         resident first when a GPU KV budget is given)."""
         return ()
 
-    def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor) -> None:
+    def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
         pass
 
-    def plan_load(self, layer: int, n_blocks: int, ctx: StepContext) -> LoadPlan | None:
+    def plan_load(self, layer: int, context_len: int, ctx: StepContext) -> LoadPlan | None:
         return None
 
-    def observe_query(self, layer: int, q: torch.Tensor, n_blocks: int, ctx: StepContext) -> None:
+    def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+        return None
+
+    def end_step(self, ctx: StepContext) -> None:
         pass
 
 

@@ -119,16 +119,24 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
         "attention scores for the current query (less host-to-GPU traffic).",
         "engine.sparse.quest:QuestPolicy",
         "it chooses which host KV pages to load at each decode step; in gpu mode all KV is already on the device",
-        (Param("token_budget", int, 2048, 32, 1 << 22, "KV tokens loaded per decode step, layer and kv head "
-               "(rounded down to whole KV blocks; the newest block is always among them). Smaller = faster, less "
-               "exact; 1024-4096 is typical.", "Token budget", aliases=("quest-budget",), step=256),
+        (Param("token_budget", int, 2048, 32, 1 << 22, "KV tokens attended per decode step, layer and kv head, "
+               "everything counted: the sink, the pages chosen by score, and the recent window that ends at the new "
+               "token (it takes what whole pages leave over, so the count is exact). Smaller = faster, less exact; "
+               "1024-4096 is typical.", "Token budget", aliases=("quest-budget",), step=256),
          Param("page_size", int, 16, help="tokens per page, the unit whose key min/max bounds are scored; it must "
                "divide the KV block size. Smaller pages select more precisely and cost more metadata.",
                label="Page size", choices=(16, 32, 64, 128), aliases=("quest-page",)),
+         Param("sink", int, 16, 0, 1 << 16, "first tokens always attended (the attention sink; rounded up to "
+               "whole pages)", "Sink tokens", step=16),
+         Param("recent", int, 32, 1, 1 << 16, "newest tokens always attended, at least (the window ending at the "
+               "new token)", "Recent tokens", step=16),
          Param("dense_layers", int, 2, 0, 1024, "the first layers attend densely (their attention is spread out, "
                "so page selection hurts them most); 2 is the usual choice.", "Dense layers"),
+         Param("min_context", int, 8192, 0, 1 << 24, "below this context (tokens) every layer loads all its KV: "
+               "there one contiguous copy costs less than scoring and gathering pages (the stats say so)",
+               "Dense below (tokens)", step=1024),
          Param("recall", bool, False, help="measure recall each step: the share of the true attention mass on "
-               "the loaded pages, from the layer's whole K read back from the host (slow; for study)",
+               "what was attended, from the layer's whole K read back from the host (slow; for study)",
                label="Measure recall"))),
     PolicySpec(
         "minference", "MInference", "prefill", ("gpu", "layerwise"),
@@ -174,12 +182,10 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
         "and never loads the rest: the baseline every sparse-attention paper compares against.",
         "engine.sparse.streaming:StreamingLLMPolicy",
         "it chooses which host KV pages to load at each decode step; in gpu mode all KV is already on the device",
-        (Param("sink", int, 64, 1, 1 << 20, "first tokens always attended (rounded up to pages)", "Sink tokens",
+        (Param("sink", int, 64, 0, 1 << 20, "first tokens always attended (the attention sink)", "Sink tokens",
                step=16),
-         Param("window", int, 1024, 1, 1 << 22, "most recent tokens attended besides the block being filled "
-               "(rounded up so that sink and window fill whole KV blocks)", "Window tokens", step=256),
-         Param("page_size", int, 16, help="tokens per page loaded (divides the KV block size)", label="Page size",
-               choices=(16, 32, 64, 128)))),
+         Param("window", int, 1024, 1, 1 << 22, "newest tokens attended (the window ends at the new token)",
+               "Window tokens", step=256))),
 )}
 
 

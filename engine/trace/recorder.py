@@ -80,6 +80,9 @@ class Recorder:
                    page_size: int = 0) -> None:
         pass
 
+    def quest_picks(self, layers: list[int], pages, scores, n_pages: list[int], positions, page_size: int) -> None:
+        pass
+
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
         pass
 
@@ -182,6 +185,7 @@ class TraceRecorder(Recorder):
         self._slots: list[SlotState] = []
         self._pending_slots: list[tuple] = []  # (event, pooled, slot, layer, state, tokens, capacity)
         self._quest: list[QuestPick] = []
+        self._quest_bulk: list[tuple] = []
         self._masks: list[MaskSummary] = []
 
     # ---------------------------------------------------------------- clock and events
@@ -249,6 +253,15 @@ class TraceRecorder(Recorder):
                                           int(n_blocks), None if positions is None else _grab(positions, c),
                                           int(page_size)))
 
+    def quest_picks(self, layers: list[int], pages, scores, n_pages: list[int], positions, page_size: int) -> None:
+        """A step's picks of several layers at once: pages, scores, positions [len(layers), Hkv, k] (torch or
+        numpy). Each array goes to the host in one copy (asynchronous from CUDA); they become one QuestPick per
+        (layer, kv head) when the step is read."""
+        c = self._cuda
+        with self._lock:
+            self._quest_bulk.append((list(layers), _grab(pages, c), _grab(scores, c), list(n_pages),
+                                     _grab(positions, c), int(page_size), self._step_no))
+
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
         c = self._cuda
         m = MaskSummary(layer, head, _grab(vertical, c), _grab(slash, c), int(n), float(density),
@@ -269,7 +282,8 @@ class TraceRecorder(Recorder):
         self.resolve_deferred()  # steps stay in order
         with self._lock:
             closing = [self._phase, self._n_tokens, self._step_no, self._t_begin, self._spans, self._pending,
-                       self._slots, self._pending_slots, self._quest, self._masks, dict(metrics or {}), None, None]
+                       self._slots, self._pending_slots, (self._quest, self._quest_bulk), self._masks,
+                       dict(metrics or {}), None, None]
             self._reset_buffers()
         self._step_no += 1
         self._open = False
@@ -300,9 +314,15 @@ class TraceRecorder(Recorder):
         order = {lane: i for i, lane in enumerate(LANES)}
         spans.sort(key=lambda s: (order.get(s.lane, len(order)), s.lane, s.t0_us, -s.t1_us))
         slots.sort(key=lambda s: s.t_us)
+        quest, bulk = quest
         for q in quest:
             q.blocks, q.scores = _to_numpy(q.blocks), _to_numpy(q.scores)
             q.positions = None if q.positions is None else _to_numpy(q.positions)
+        for layers, pages, scores, n_pages, positions, page_size, step in bulk:
+            pages, scores, positions = _to_numpy(pages), _to_numpy(scores), _to_numpy(positions)
+            for i, (layer, n) in enumerate(zip(layers, n_pages)):
+                quest += [QuestPick(step, layer, h, pages[i, h], scores[i, h], n, positions[i, h], page_size)
+                          for h in range(pages.shape[1])]
         for m in masks:
             m.vertical, m.slash = _to_numpy(m.vertical), _to_numpy(m.slash)
             m.image = None if m.image is None else _to_numpy(m.image)

@@ -164,10 +164,11 @@ def test_quest_policy_from_the_command_line(capsys, tmp_path, default_model_dir)
     doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen.\n" * 3)
     code, out, err = run_cli(capsys, "--document", str(doc), "--ask", "In which city is the meeting?", "--json",
                              "--max-new-tokens", "16", "--model", str(default_model_dir), "--mode", "layerwise",
-                             "--block-size", "16", "--policy", "quest", "--quest-budget", "32", "--quest-page", "16")
+                             "--block-size", "16", "--policy", "quest", "--quest-budget", "64", "--quest-page", "16",
+                             "--quest-recent", "16", "--quest-min-context", "0")
     assert code == 0, err
     result = json.loads(out)
-    assert result["policy"] == "quest" and result["policy_params"]["token_budget"] == 32
+    assert result["policy"] == "quest" and result["policy_params"]["token_budget"] == 64
     assert result["policy_stats"]["selections"] > 0 and result["policy_stats"]["pages_per_head"] == 2
     code, _, err = run_cli(capsys, "--ask", "hi", "--model", str(default_model_dir), "--policy", "quest")
     assert code == 2 and "layerwise" in err

@@ -33,7 +33,7 @@ def test_command_line_writes_every_cell(tmp_path, capsys, default_model_dir):
     assert "depth 50%" in capsys.readouterr().out and '"kind": "place"' in out.read_text()
 
 
-SPARSE = [("quest", {"token_budget": 512, "page_size": 16}),                          # a quarter of the prompt
+SPARSE = [("quest", {"token_budget": 512, "page_size": 16, "min_context": 0}),                          # a quarter of the prompt
           ("minference", {"min_len": 1024, "vertical": 128, "slash": 256}),
           ("xattention", {"min_len": 1024, "threshold": 0.9, "stride": 8, "block": 64})]
 

@@ -1,16 +1,24 @@
-"""Quest's page bound and selection (the math, on random data)."""
+"""Quest: the page bound and selection (the math, on random data), the budget's accounting, the correction with
+the current query, and the real engine running it."""
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError
+from engine.sparse import make_policy
 from engine.sparse.policy import KVLayout
 from engine.sparse.quest import QuestPolicy
+from engine.step import StepContext
+from engine.trace import TraceRecorder
 
 
-def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0):
-    p = QuestPolicy(token_budget=budget, page_size=page, dense_layers=dense_layers)
-    p.initialize(KVLayout(2, hkv, d, bs, torch.device("cpu"), torch.float32, blocks))
+def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2):
+    p = QuestPolicy(token_budget=budget, page_size=page, dense_layers=dense_layers, sink=sink, recent=recent,
+                    min_context=0)
+    p.initialize(KVLayout(layers, hkv, d, bs, torch.device("cpu"), torch.float32, blocks))
     return p
 
 
@@ -21,112 +29,113 @@ def test_page_bound_is_at_least_the_true_max(seed, g, scale):
     p = _policy()
     keys = torch.randn(6, 2, 32, 8) * scale                       # [block, Hkv, bs, D]
     for b in range(6):
-        p.on_kv_written(1, b, keys[b])
+        p.on_kv_written(1, b, keys[b], 0, 32)
     q = torch.randn(2 * g, 8) * scale                              # [Hq, D]
-    pages = p.page_ids(range(6))
-    bound = p.scores(1, q, pages)                                  # [Hkv, 12]
+    bound = p.scores(1, q, torch.arange(12))                       # [Hkv, 12]
     k_pages = keys.reshape(6, 2, 2, 16, 8).permute(1, 0, 2, 3, 4).reshape(2, 12, 16, 8)
     true = torch.einsum("hgd,hptd->hgpt", q.reshape(2, g, 8), k_pages).amax(-1).amax(1)   # [Hkv, 12]
     assert (bound >= true - 1e-4 * (1 + true.abs())).all()
 
 
-def test_selection_is_per_kv_head_with_sink_and_recent():
+def test_page_bounds_follow_the_tokens_as_they_are_written():
+    """Decode writes one token at a time: a page's bounds appear when its last token does."""
+    p = _policy()
+    keys = torch.randn(2, 32, 8)
+    p.on_kv_written(0, 3, keys, 0, 15)                              # 15 tokens: no page complete yet
+    assert torch.isinf(p.kmin[0, 6]).all()
+    p.on_kv_written(0, 3, keys, 15, 16)                             # the 16th completes page 0 of block 3
+    torch.testing.assert_close(p.kmin[0, 6], keys[:, :16].amin(1))
+    assert torch.isinf(p.kmin[0, 7]).all()
+
+
+def test_selection_is_per_kv_head():
     torch.manual_seed(0)
-    p = _policy(budget=64)                                          # 64 tokens = 2 blocks = 4 pages per kv head
+    p = _policy(budget=64)                                          # sink 16 + 2 pages + window 16
     keys = 0.01 * torch.randn(6, 2, 32, 8)                          # [block, Hkv, bs, D]: 12 pages of 16
     keys[2, 0, :, 0] = 5.0                                          # pages 4, 5: large keys on kv head 0 only
     keys[4, 1, :, 1] = 5.0                                          # pages 8, 9: large keys on kv head 1 only
     for b in range(6):
-        p.on_kv_written(0, b, keys[b])
+        p.on_kv_written(0, b, keys[b], 0, 32)
     q = torch.zeros(4, 8)
     q[:, 0] = q[:, 1] = 1.0                                         # every query head looks for both
-    top, scores = p.select(0, q, list(range(6)))
-    assert top.tolist() == [[0, 4, 5, 11], [0, 8, 9, 11]]          # per head; sink and most recent always in
-    assert (scores[0, 1:3] > 4).all() and (scores[1, 1:3] > 4).all()
+    top, scores = p.select(0, q, 1, 11, StepContext(block_table=torch.arange(6)))
+    assert top.tolist() == [[4, 5], [8, 9]]                         # per head, among pages 1..10
+    assert (scores > 4).all()
 
 
-def test_dense_below_the_budget_and_in_dense_layers():
+@pytest.mark.parametrize("bs,page,budget,sink,recent", [(32, 16, 64, 16, 16), (64, 16, 200, 16, 32),
+                                                        (64, 32, 300, 40, 20), (256, 16, 512, 16, 32),
+                                                        (16, 16, 100, 0, 1)])
+def test_every_sparse_step_attends_exactly_the_budget(bs, page, budget, sink, recent):
+    """The accounting: rows loaded + the newest tokens on the device = the budget, for any context longer than
+    it, with the sink, the recent window (up to the new token) and k distinct chosen pages in."""
+    blocks = -(-(budget + 3 * bs) // bs) + 1
+    p = _policy(hkv=2, bs=bs, page=page, blocks=blocks, budget=budget, sink=sink, recent=recent)
+    table = torch.randperm(blocks)
+    ctx = StepContext(block_table=table)
+    for b in range(blocks):
+        p.on_kv_written(1, int(table[b]), torch.randn(2, bs, 8), 0, bs)
+    for end in range(budget + 1, budget + 3 * bs):
+        ctx.context_len = end
+        p.observe_query(1, torch.randn(4, 8), ctx)                  # a choice for this context
+        plan = p.plan_load(1, end, ctx)
+        assert plan.rows.shape[1] + plan.device_tail == budget
+        partial = end - (end - 1) // bs * bs
+        assert plan.device_tail == min(p.window, partial) and recent <= p.window < recent + page
+        seq = (torch.nonzero(table[None, None, :] == (plan.rows // bs)[:, :, None])[:, 2].view(2, -1) * bs
+               + plan.rows % bs)
+        for h in range(2):
+            got = seq[h].tolist()
+            assert len(set(got)) == len(got)                        # no token twice
+            want_fixed = set(range(p.sink)) | set(range(end - p.window, end - plan.device_tail))
+            assert want_fixed <= set(got)                           # the sink and the window's host part
+            chosen = set(got) - want_fixed
+            assert len(chosen) == p.k * page and all(p.sink <= t < end - p.window for t in chosen)
+
+
+def test_the_correction_fetches_what_the_current_query_wants():
+    """The plan loaded a speculation (the previous query's choice); the query of the step itself picks other
+    pages: the fix fetches exactly those, into the places of the dropped ones."""
+    p = _policy(budget=64)                                          # k = 2 pages
+    table = torch.arange(6)
+    ctx = StepContext(block_table=table, context_len=150)
+    keys = 0.01 * torch.randn(6, 2, 32, 8)
+    keys[1, :, :16, 0] = 5.0                                        # page 2 answers q[0]
+    keys[3, :, 16:, 1] = 5.0                                        # page 7 answers q[1]
+    for b in range(6):
+        p.on_kv_written(0, b, keys[b], 0, 32)
+    first, second = torch.zeros(4, 8), torch.zeros(4, 8)
+    first[:, 0], second[:, 1] = 1.0, 1.0
+    assert p.observe_query(0, first, ctx) is None                   # nothing was loaded from a plan yet
+    plan = p.plan_load(0, 150, ctx)                                 # pages {2, x} at rows 16..47
+    assert 2 in (plan.rows[0, 16:48] // 16).tolist()
+    fix = p.observe_query(0, second, ctx)                           # now page 7 matters
+    now = p._chosen[0][0]
+    assert 7 in now[0].tolist()
+    fetched = fix.rows[fix.rows >= 0].view(2, -1) // 16
+    assert set(fetched[0].tolist()) == set(now[0].tolist()) - set((plan.rows[0, 16:48] // 16).tolist())
+    dst = fix.dst[fix.rows >= 0].view(2, -1)
+    assert ((dst >= 16) & (dst < 48)).all()                         # into the chosen pages' places only
+    p.end_step(ctx)
+    assert p.step_metrics()["quest_fetched"] == pytest.approx(fetched.shape[1] / 16)
+
+
+def test_dense_where_choosing_does_not_pay():
     p = _policy(budget=64, dense_layers=1)
-    assert not p.applies(0, 6)           # a dense layer
-    assert not p.applies(1, 2)           # 4 pages fit the budget of 4
-    assert p.applies(1, 3)
+    assert not p.sparse(0, 1000)                                    # a dense layer
+    assert not p.sparse(1, 64)                                      # the context fits the budget
+    assert p.sparse(1, 65)
+    q = QuestPolicy(token_budget=64, page_size=16, min_context=4096)
+    assert not q.sparse(5, 4000) and "min_context 4096" in q.dense_reason
 
 
-# ---------------------------------------------------------------- Quest in layerwise mode (the real default model)
-import pytest  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.errors import ConfigError  # noqa: E402
-from engine.trace import TraceRecorder  # noqa: E402
-
-QUEST = {"token_budget": 256, "page_size": 16, "dense_layers": 2}
-
-
-@pytest.fixture(scope="module")
-def quest_llm(default_model_dir):
-    return LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-               policy="quest", policy_params=QUEST)
-
-
-def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
-    llm = quest_llm
-    rec = TraceRecorder()
-    llm.recorder = rec
-    prompt = list(range(2000, 2000 + 900))                       # 14 full blocks of 64 + 4 tokens
-    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-    llm.recorder = None
-    decodes = [s for s in rec.steps if s.phase == "decode"]
-    a, block = llm.args, llm.runner.oe.block_bytes
-    per_token_layer = block // 64
-    want = 2 * 14 * block + (a.num_layers - 2) * QUEST["token_budget"] * per_token_layer   # dense + sparse layers
-    assert decodes[1].metrics["bytes_h2d"] == want                # a steady step (its first loads came early)
-    picks = decodes[1].quest
-    assert len(picks) == (a.num_layers - 2) * a.num_kv_heads      # every sparse layer, every kv head
-    for p in picks:
-        assert 0 in p.blocks and p.n_blocks == 13 * 4             # sink page in; candidates: all but the newest block
-        assert len(p.blocks) == QUEST["token_budget"] // 16 - 4   # the newest block's 4 pages are added at load
-
-
-def test_quest_answers_a_question_about_a_document(default_model_dir):
-    """A quarter of the context per layer (and all of it in the first two layers) still finds the fact."""
-    llm = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=4096,
-              policy="quest", policy_params={"token_budget": 512, "page_size": 16, "dense_layers": 2})
-    doc = (open(__file__.replace("tests/engine/test_quest.py", "resources/samples/kv_cache_offload_primer.md"))
-           .read()[:9000])
-    msgs = [{"role": "user", "content": doc + "\n\nQuestion: In which city is the Halvorsen lab based?"}]
-    chunks = list(llm.stream(msgs, SamplingParams(max_tokens=24)))
-    assert "Bergen" in "".join(c.text for c in chunks)
-    assert chunks[-1].stats.prompt_tokens > 4 * 512                      # Quest loads under a quarter of it
-
-
-def test_quest_with_room_for_everything_equals_full(default_model_dir, quest_llm):
-    prompt = list(range(3000, 3000 + 200))
-    roomy = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-                policy="quest", policy_params={"token_budget": 1024})
-    full = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    assert roomy.generate([prompt], params)[0].token_ids == full.generate([prompt], params)[0].token_ids
-
-
-def test_quest_is_refused_where_it_cannot_run(default_model_dir):
-    with pytest.raises(ConfigError, match="layerwise"):
-        LLM(str(default_model_dir), device="cpu", mode="gpu", policy="quest")
-    with pytest.raises(ConfigError, match="page_size"):
-        LLM(str(default_model_dir), device="cpu", mode="layerwise", policy="quest", policy_params={"page_size": 24})
-
-
-def test_quest_requests_in_turn_answer_as_in_a_fresh_engine(default_model_dir, quest_llm):
-    """Two prompts sharing cached blocks, one after the other: the second one's prefill is dense and unaffected
-    by the first one's page selections (a stale selection once leaked into a prefill and garbled answers)."""
-    shared = list(range(4000, 4000 + 640))
-    first, second = shared + list(range(100, 160)), shared + list(range(200, 230))
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    quest_llm.generate([first], params)
-    in_turn = quest_llm.generate([second], params)[0]
-    assert in_turn.stats.cached_tokens == 640
-    fresh = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-                policy="quest", policy_params=QUEST).generate([second], params)[0]
-    assert in_turn.token_ids == fresh.token_ids
+def test_bad_parameters_name_the_parameter():
+    with pytest.raises(ConfigError, match="must hold the sink .* and the recent window"):
+        make_policy("quest", {"token_budget": 64, "sink": 48, "recent": 32}, "layerwise")
+    with pytest.raises(ConfigError, match="quest page_size must be one of 16, 32, 64, 128"):
+        make_policy("quest", {"page_size": 24}, "layerwise")
+    with pytest.raises(ConfigError, match="the quest policy runs in layerwise or chunked mode, not gpu"):
+        make_policy("quest", {}, "gpu")
 
 
 def test_recall_is_the_attention_mass_on_what_was_loaded():
@@ -139,53 +148,141 @@ def test_recall_is_the_attention_mass_on_what_was_loaded():
     assert p.recall(q, keys, loaded, 1.0).tolist() == pytest.approx(want)
 
 
+def test_load_plans_per_policy():
+    """Full and the prefill policies never plan (everything is loaded); Quest plans once it has chosen."""
+    p = _policy(budget=64)
+    ctx = StepContext(block_table=torch.arange(6), context_len=150)
+    assert p.plans_loads and p.plan_load(1, 150, ctx) is None
+    for b in range(6):
+        p.on_kv_written(1, b, torch.randn(2, 32, 8), 0, 32)
+    p.observe_query(1, torch.randn(4, 8), ctx)
+    plan = p.plan_load(1, 151, ctx)
+    assert plan is not None and plan.key != p.plan_load(1, 152, ctx).key
+    for name in ("full", "minference", "xattention"):
+        other = make_policy(name, {}, "layerwise")
+        assert not other.plans_loads and other.plan_load(1, 150, ctx) is None
+
+
+# ---------------------------------------------------------------- Quest in the real engine (the default model)
+QUEST = {"token_budget": 256, "page_size": 16, "dense_layers": 2, "min_context": 0}
+
+
+@pytest.fixture(scope="module")
+def quest_llm(default_model_dir):
+    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
+             policy="quest", policy_params=QUEST) as llm:
+        yield llm
+
+
+def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
+    llm = quest_llm
+    rec = TraceRecorder()
+    llm.recorder = rec
+    prompt = list(range(2000, 2000 + 900))                       # 14 full blocks of 64 + 4 tokens
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    llm.recorder = None
+    decodes = [s for s in rec.steps if s.phase == "decode"]
+    a, block = llm.args, llm.runner.oe.block_bytes
+    per_token_layer = block // 64
+    window, budget = llm.runner.policy.window, QUEST["token_budget"]
+    rows, rows_next = budget - min(window, 902 - 896), budget - min(window, 903 - 896)   # less the device tail
+    # the step loads its layers 3.. and, ahead, the next step's layers 0, 1 (dense: 14 blocks) and 2 (sparse)
+    want = 2 * 14 * block + ((a.num_layers - 3) * rows + rows_next) * per_token_layer
+    assert decodes[1].metrics["bytes_h2d"] == want                # a steady step (its first loads came early)
+    picks = decodes[1].quest
+    assert len(picks) == (a.num_layers - 2) * a.num_kv_heads      # every sparse layer, every kv head
+    k = llm.runner.policy.k
+    for p in picks:
+        assert len(p.blocks) == k and p.n_blocks == (902 - llm.runner.policy.window) // 16
+        assert all(1 <= int(x) < p.n_blocks for x in p.positions) # between the sink and the window
+    assert "quest_fetched" in decodes[1].metrics and out.stats.policy_stats["sparse"]
+
+
+def test_quest_answers_a_question_about_a_document(default_model_dir):
+    """A quarter of the context per layer (and all of it in the first two layers) still finds the fact."""
+    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=4096,
+             policy="quest", policy_params={"token_budget": 512, "page_size": 16, "min_context": 0}) as llm:
+        doc = (open(__file__.replace("tests/engine/test_quest.py", "resources/samples/kv_cache_offload_primer.md"))
+               .read()[:9000])
+        msgs = [{"role": "user", "content": doc + "\n\nQuestion: In which city is the Halvorsen lab based?"}]
+        chunks = list(llm.stream(msgs, SamplingParams(max_tokens=24)))
+    assert "Bergen" in "".join(c.text for c in chunks)
+    assert chunks[-1].stats.prompt_tokens > 4 * 512                      # Quest attends to under a quarter of it
+
+
+def test_quest_with_room_for_everything_equals_full(default_model_dir, quest_llm):
+    prompt = list(range(3000, 3000 + 200))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
+             policy="quest", policy_params={"token_budget": 1024, "min_context": 0}) as roomy, \
+         LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048) as full:
+        got = roomy.generate([prompt], params)[0]
+        assert got.token_ids == full.generate([prompt], params)[0].token_ids
+    assert not got.stats.policy_stats["sparse"] and "fits the budget" in got.stats.policy_stats["reason"]
+
+
+def test_quest_is_refused_where_it_cannot_run(default_model_dir):
+    with pytest.raises(ConfigError, match="layerwise"):
+        LLM(str(default_model_dir), device="cpu", mode="gpu", policy="quest")
+    with pytest.raises(ConfigError, match="page_size 32 must divide the KV block size 16"):
+        LLM(str(default_model_dir), device="cpu", mode="layerwise", kv_block_size=16, policy="quest",
+            policy_params={"page_size": 32})
+
+
+def test_quest_requests_in_turn_answer_as_in_a_fresh_engine(default_model_dir, quest_llm):
+    """Two prompts sharing cached blocks, one after the other: the second one's prefill is dense and unaffected
+    by the first one's page selections (a stale selection once leaked into a prefill and garbled answers)."""
+    shared = list(range(4000, 4000 + 640))
+    first, second = shared + list(range(100, 160)), shared + list(range(200, 230))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    quest_llm.generate([first], params)
+    in_turn = quest_llm.generate([second], params)[0]
+    assert in_turn.stats.cached_tokens == 640
+    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
+             policy="quest", policy_params=QUEST) as llm:
+        fresh = llm.generate([second], params)[0]
+    assert in_turn.token_ids == fresh.token_ids
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+def test_layerwise_and_chunked_attend_to_the_same_tokens(tmp_path, bs):
+    """The same choices, corrections included, executed by two runners: the same tokens."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    outs = []
+    for mode in ("layerwise", "chunked"):
+        with LLM(str(tmp_path), device="cpu", kv_block_size=bs, mode=mode, max_model_len=400, policy="quest",
+                 policy_params={"token_budget": 96, "dense_layers": 0, "min_context": 0}) as llm:
+            outs.append(llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0])
+    assert outs[0].token_ids == outs[1].token_ids
+    assert all(o.stats.policy_stats["sparse"] for o in outs)
+
+
 def test_recall_measured_in_the_engine(tmp_path):
     from tests.engine.tiny import tiny_model
     tiny_model("qwen3", tmp_path)
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def stats(budget, rec=None):
-        llm = LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400, policy="quest",
-                  policy_params={"token_budget": budget, "page_size": 16, "dense_layers": 0, "recall": True})
-        if rec is not None:
-            llm.recorder = rec
-        return llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].stats.policy_stats
+        with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400,
+                 policy="quest", policy_params={"token_budget": budget, "dense_layers": 0, "recall": True,
+                                                "min_context": 0}) as llm:
+            if rec is not None:
+                llm.recorder = rec
+            return llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].stats.policy_stats
 
     rec = TraceRecorder()
     tight = stats(64, rec)
     assert tight["selections"] > 0 and set(tight["recall_per_layer"]) == {"0", "1"}
     assert 0 < tight["recall_min_head"] <= tight["recall"] < 1
-    assert 0 < tight["recall_current_query"] < 1
+    assert 0 < tight["recall_speculative"] < 1                      # what the previous query's choice would have had
     assert "recall" not in stats(512)                               # the budget holds everything: never sparse
     # each decode step's trace carries the recall it measured: per layer, their mean and the lowest layer's
     measured = [s.metrics for s in rec.steps if "quest_recall" in s.metrics]
     assert len(measured) == 5 and all(s.phase == "decode" for s in rec.steps if "quest_recall" in s.metrics)
-    for m in measured:                                              # the first decode step has no selection yet
+    for m in measured:                                              # the first decode step is planned from the prompt
         layers = [m["quest_recall_l0"], m["quest_recall_l1"]]
         assert m["quest_recall"] == pytest.approx(sum(layers) / 2) and m["quest_recall_min"] == min(layers)
     per_layer0 = np.mean([m["quest_recall_l0"] for m in measured])
     assert per_layer0 == pytest.approx(tight["recall_per_layer"]["0"], abs=1e-4)
-
-
-def test_load_plans_per_policy():
-    """The API the runners call: Quest plans nothing until it saw a query, then its chosen pages per kv head
-    (sink and most recent forced) plus the newest block's pages, under a new key after each selection; Full and
-    the prefill policies never plan (everything is loaded)."""
-    from engine.sparse import make_policy
-    from engine.step import StepContext
-    p = _policy(budget=64, dense_layers=0)                        # 6 blocks of 32, pages of 16: 4 pages per head
-    keys = torch.randn(6, 2, 32, 8)
-    for b in range(6):
-        p.on_kv_written(1, b, keys[b])
-    ctx = StepContext(block_table=torch.tensor([3, 0, 5, 1, 4, 2]))   # the sequence's host blocks
-    assert p.plans_loads and p.plan_load(1, 6, ctx) is None
-    p.observe_query(1, torch.randn(4, 8), 5, ctx)                  # choose among the first 5 blocks
-    plan = p.plan_load(1, 6, ctx)
-    # page i of host block b is b * 2 + i: the sink (block 3), the most recent of the 5 (block 4), the newest (2)
-    assert plan.page_size == 16 and plan.pages.tolist() == [[6, 9, 4, 5]] * 2
-    p.observe_query(1, torch.randn(4, 8), 5, ctx)
-    assert p.plan_load(1, 6, ctx).key != plan.key
-    assert p.plan_load(1, 2, ctx) is None                          # 2 blocks fit the budget: load all
-    for name in ("full", "minference", "xattention"):
-        other = make_policy(name, {}, "layerwise")
-        assert not other.plans_loads and other.plan_load(1, 6, ctx) is None

@@ -1,4 +1,4 @@
-"""StreamingLLM: the pages it plans (sink + recent window), and the real engine running it in both offload modes."""
+"""StreamingLLM: the rows it plans (sink + recent window), and the real engine running it in both offload modes."""
 import pytest
 import torch
 
@@ -18,15 +18,16 @@ def _policy(**params):
     return p
 
 
-def test_plan_is_the_sink_and_the_newest_pages_filling_whole_blocks():
-    p = _policy(sink=16, window=40, page_size=16)          # 1 sink page, 3 window pages -> 4 pages = 2 blocks
-    ctx = StepContext(block_table=torch.tensor([7, 3, 9, 4, 12, 5]))
-    plan = p.plan_load(0, 6, ctx)                           # 6 full blocks = 12 pages
-    assert plan.page_size == 16 and plan.pages.shape == (2, 4)
-    # page i of host block b is b * 2 + i: sink = block 7's first page; window = last 3 pages (blocks 12, 5)
-    assert plan.pages.tolist() == [[14, 25, 10, 11]] * 2
-    assert p.plan_load(0, 2, ctx) is None                   # 4 pages fit: everything is loaded
-    assert p.stats()["window_tokens"] == 48 and p.stats()["sink_tokens"] == 16
+def test_plan_is_the_sink_and_the_newest_tokens():
+    p = _policy(sink=4, window=40)
+    table = torch.tensor([7, 3, 9, 4, 12, 5])
+    plan = p.plan_load(0, 170, StepContext(block_table=table))      # 170 tokens: 5 full blocks + 10
+    assert plan.device_tail == 10                                    # the block being filled: on the device
+    assert plan.rows.shape == (2, 4 + 30)                            # sink + the window's 30 tokens on the host
+    # token t of the sequence is host row table[t // 32] * 32 + t % 32
+    want = [7 * 32 + t for t in range(4)] + [12 * 32 + t for t in range(130 - 128, 32)]
+    assert plan.rows[0].tolist() == want and plan.rows[1].tolist() == want
+    assert p.plan_load(0, 44, StepContext(block_table=table)) is None   # 44 tokens fit: everything is loaded
 
 
 def test_bad_parameters_name_the_parameter():
@@ -34,8 +35,6 @@ def test_bad_parameters_name_the_parameter():
         make_policy("streamingllm", {"window": 0}, "layerwise")
     with pytest.raises(ConfigError, match="streamingllm policy runs in layerwise or chunked mode, not gpu"):
         make_policy("streamingllm", {}, "gpu")
-    with pytest.raises(ConfigError, match="page_size 64 must divide the KV block size 32"):
-        _policy(page_size=64)
 
 
 def test_layerwise_and_chunked_attend_to_the_same_tokens(tmp_path):
@@ -50,15 +49,15 @@ def test_layerwise_and_chunked_attend_to_the_same_tokens(tmp_path):
             rec = TraceRecorder()
             llm.recorder = rec
             out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
-            block = llm.runner.block_bytes                   # one block of every layer (both, here)
+            per_token = llm.runner.block_bytes // 32            # one token of every layer (both, here)
         decodes = [s for s in rec.steps if s.phase == "decode"][1:]
-        return out.token_ids, [s.metrics["bytes_h2d"] / block for s in decodes]
+        return out.token_ids, [s.metrics["bytes_h2d"] / per_token for s in decodes]
 
     full, _ = run("layerwise", "full", {})
     assert run("layerwise", "streamingllm", {"window": 512})[0] == full
-    tight = {"sink": 16, "window": 48, "page_size": 16}     # 1 + 3 pages: two blocks per layer and step
-    lw, lw_bytes = run("layerwise", "streamingllm", tight)
-    ch, ch_bytes = run("chunked", "streamingllm", tight)
+    tight = {"sink": 8, "window": 40}
+    lw, lw_tokens = run("layerwise", "streamingllm", tight)
+    ch, ch_tokens = run("chunked", "streamingllm", tight)
     assert lw == ch and lw != full
-    assert max(ch_bytes) == 2 and max(lw_bytes) <= 2        # blocks of every layer per step: sink + window
-    assert min(run("chunked", "full", {})[1]) >= 9           # full streams all 9 earlier blocks
+    assert max(ch_tokens) <= 48 and max(lw_tokens) <= 48          # tokens per layer and step: at most sink + window
+    assert min(run("chunked", "full", {})[1]) >= 9 * 32           # full streams all 9 earlier blocks

@@ -84,7 +84,7 @@ def test_page_gather_reads_the_pinned_pool_directly():
     oe.host.copy_(torch.randn(oe.host.shape).to(torch.bfloat16))
     pages = torch.tensor([[0, 5, 17, 39, 2, 3, 8, 9], [1, 4, 6, 30, 31, 33, 12, 13],
                           [0, 1, 2, 3, 4, 5, 6, 7], [39, 38, 20, 21, 22, 23, 24, 25]], device="cuda")
-    oe.load_pages(0, 1, pages, 16)
+    oe.load_rows(0, 1, (pages[:, :, None] * 16 + torch.arange(16, device="cuda")).flatten(1))   # pages of 16 rows
     torch.cuda.synchronize()
     host = oe.host[1].view(10, 2, 4, 4, 16, 64)                      # [block, k/v, head, page, P, D]
     buf = oe.buffers[0].view(4, 2, 4, 4, 16, 64)

@@ -63,14 +63,14 @@ def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
 def test_quest_recall_on_gpu():
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(shape=shape_config("qwen3-4b"), dtype="bfloat16", max_model_len=4096, mode="layerwise",
-              kv_block_size=256, policy="quest", policy_params={"token_budget": 512, "page_size": 32, "recall": True})
+              kv_block_size=256, policy="quest", policy_params={"token_budget": 512, "page_size": 32, "recall": True, "min_context": 0})
     st = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].stats.policy_stats
     llm.close()
-    print("quest recall", round(st["recall"], 3), "current-query", round(st["recall_current_query"], 3))
+    print("quest recall", round(st["recall"], 3), "speculation alone", round(st["recall_speculative"], 3))
     assert 0 < st["recall_min_head"] <= st["recall"] <= 1 and len(st["recall_per_layer"]) == 34
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("quest", {"token_budget": 512, "page_size": 32})])
+@pytest.mark.parametrize("policy,params", [("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0})])
 def test_layerwise_decode_graphs_answer_like_eager(policy, params):
     """Each decode layer replayed as a CUDA graph gives the tokens the eager layers give (fp32)."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -92,8 +92,8 @@ def test_quest_in_chunked_mode_on_gpu():
     moves less."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     got = {}
-    for name, params in [("full", {}), ("quest", {"token_budget": 8192, "page_size": 32, "dense_layers": 0}),
-                         ("tight", {"token_budget": 512, "page_size": 32})]:
+    for name, params in [("full", {}), ("quest", {"token_budget": 8192, "page_size": 32, "dense_layers": 0, "min_context": 0}),
+                         ("tight", {"token_budget": 512, "page_size": 32, "min_context": 0})]:
         llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="chunked",
                   kv_block_size=256, policy="full" if name == "full" else "quest", policy_params=params)
         out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
