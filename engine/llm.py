@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.offload.tier import model_identity, open_tier
-from engine.outputs import Completion, Detokenizer, GenerationStats, StreamChunk, request_stats  # noqa: F401
+from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config
 from engine.sampling import SamplingParams

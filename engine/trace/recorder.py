@@ -3,10 +3,8 @@
 `Recorder` is the default and does nothing (no allocation per call: `span()` returns one shared null context).
 Engine code guards heavier work with `if recorder.enabled:`. `TraceRecorder` records for real:
 
-    rec = TraceRecorder(device=torch.device("cuda"))
-    rec.begin_step("decode", n_tokens=1)
-    with rec.span(H2D, "load kv", layer=3, stream=copy_stream, bytes=n):
-        ...
+    rec = TraceRecorder(device=torch.device("cuda")); rec.begin_step("decode", n_tokens=1)
+    with rec.span(H2D, "load kv", layer=3, stream=copy_stream, bytes=n): ...
     step = rec.end_step({"mem_gpu_allocated": ...})
 
 Timing. On CPU (device None or not CUDA), and always for the `host` lane, spans are timed with
@@ -254,9 +252,8 @@ class TraceRecorder(Recorder):
                                           int(page_size)))
 
     def quest_picks(self, layers: list[int], pages, scores, n_pages: list[int], positions, page_size: int) -> None:
-        """A step's picks of several layers at once: pages, scores, positions [len(layers), Hkv, k] (torch or
-        numpy). Each array goes to the host in one copy (asynchronous from CUDA); they become one QuestPick per
-        (layer, kv head) when the step is read."""
+        """A step's picks of several layers: pages, scores, positions [len(layers), Hkv, k], each to the host in one
+        copy (async from CUDA); one QuestPick per (layer, kv head) when the step is read."""
         c = self._cuda
         with self._lock:
             self._quest_bulk.append((list(layers), _grab(pages, c), _grab(scores, c), list(n_pages),
