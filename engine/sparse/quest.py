@@ -50,6 +50,7 @@ class QuestPolicy(SparsePolicy):
         self._chosen: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, scores, version)
         self._planned: dict[int, tuple[torch.Tensor, int]] = {}      # layer -> (speculated positions, context_len)
         self._picks: list[tuple] = []                                # this step's, for the recorder
+        self._candidates: tuple = (None, None)                       # (first, end, table) -> their page ids
         self._version = 0
         self.selections = self.fetched = self.fixes = 0
         self.dense_reason = ""
@@ -102,6 +103,7 @@ class QuestPolicy(SparsePolicy):
         self._recall.clear()
         self._chosen.clear()
         self._planned.clear()
+        self._candidates = (None, None)
         self.selections = self.fetched = self.fixes = 0
         self.dense_reason = ""
 
@@ -235,8 +237,10 @@ class QuestPolicy(SparsePolicy):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best of the sequence's pages first..end-1 per kv head -> (their page numbers [Hkv, k],
         ascending; their scores)."""
-        positions = torch.arange(first, end, device=q.device)
-        s = self.scores(layer, q, self._page_ids(positions, ctx))
+        if self._candidates[0] != (first, end, ctx.block_table.data_ptr()):    # the same for every layer of a step
+            self._candidates = ((first, end, ctx.block_table.data_ptr()),
+                                self._page_ids(torch.arange(first, end, device=q.device), ctx))
+        s = self.scores(layer, q, self._candidates[1])
         top = s.topk(min(self.k, end - first), dim=-1).indices.sort(dim=-1).values
         return top + first, s.gather(1, top)
 
