@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         from app.gui import run
         return run(sys.argv[:1])
     args = build_parser().parse_args(argv)
+    import warnings
+    warnings.showwarning = _one_line_warning
     if args.command == "kv-store":
         return kv_store_command(args)
     if args.command != "chat":
@@ -205,13 +207,33 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings reach the user as one line each (no source file, line number or code)."""
+    print(f"warning: {message}", file=file or sys.stderr, flush=True)
+
+
 def _progress(fraction: float, message: str) -> None:
     print(f"[{fraction * 100:3.0f}%] {message}", file=sys.stderr, flush=True)
+
+
+def check_output_path(path: Path, what: str) -> None:
+    """Before any work: `path` can be written (its folder exists and is writable, it is not a folder), else one
+    ConfigError line naming the path and the fix."""
+    import os
+    from engine.errors import ConfigError
+    folder = path.expanduser().resolve().parent
+    if path.expanduser().is_dir():
+        raise ConfigError(f"{what} {path} is a folder: give a file name, e.g. {path / 'trace.json'}")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        why = "does not exist" if not folder.is_dir() else "is not writable"
+        raise ConfigError(f"{what} {path}: its folder {folder} {why}; choose a path in a folder you can write to")
 
 
 def _chat(args) -> int:
     policy, policy_kwargs = policy_name(args), policy_params(args)   # first: a bad value fails before any work
     get_spec(policy).check_mode(args.mode)
+    if args.trace is not None:
+        check_output_path(args.trace, "--trace")
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams

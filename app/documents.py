@@ -27,6 +27,7 @@ class Document:
     kind: str          # "text" | "markdown" | "pdf" | "html"
     text: str          # the plain text that goes into the prompt
     pages: int | None  # pdf page count, else None
+    encoding: str = "UTF-8"   # how the file's bytes were read (text kinds): UTF-8, UTF-16, Windows-1252, Latin-1
 
 
 def load_document(path: str | os.PathLike, max_bytes: int = 64 * 2**20) -> Document:
@@ -48,37 +49,48 @@ def load_document(path: str | os.PathLike, max_bytes: int = 64 * 2**20) -> Docum
                             "Check the file's permissions.") from e
 
     kind = KINDS.get(path.suffix.lower(), "text")  # unknown extensions: try as text
-    pages = None
+    pages, encoding = None, "UTF-8"
     if kind == "pdf":
         text, pages = _pdf_text(path, data)
     else:
-        text = _decode(path, data)
+        text, encoding = _decode(path, data)
         if kind == "html":
             text = _html_text(text)
     text = _normalise(text)
     if not text.strip():
         raise DocumentError(f"{path.name} is empty (or only whitespace). "
                             "Choose a file that contains text.")
-    return Document(path=path, name=path.name, kind=kind, text=text, pages=pages)
+    return Document(path=path, name=path.name, kind=kind, text=text, pages=pages, encoding=encoding)
 
 
-def _decode(path: Path, data: bytes) -> str:
-    """Decode bytes as UTF-8 (with or without BOM) or BOM-marked UTF-16; else it is binary."""
+def _decode(path: Path, data: bytes) -> tuple[str, str]:
+    """-> (text, the encoding it was read in). UTF-8 (with or without BOM) and BOM-marked UTF-16 first; bytes that
+    are not UTF-8 but look like text (no NUL, hardly any control characters) are the old 8-bit encodings most
+    documents were written in: Windows-1252 (Latin-1 where it has no character). Anything else is binary."""
     if data.startswith(b"\xef\xbb\xbf"):
-        encoding = "utf-8-sig"
+        candidates = [("utf-8-sig", "UTF-8")]
     elif data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        encoding = "utf-16"  # the BOM tells Python the byte order
+        candidates = [("utf-16", "UTF-16")]  # the BOM tells Python the byte order
     else:
-        encoding = "utf-8"
-    try:
-        text = data.decode(encoding)
-    except UnicodeDecodeError:
-        text = None
-    if text is None or "\x00" in text:  # NUL characters never occur in real text
-        raise DocumentError(
-            f"{path.name} looks binary (it is not UTF-8 or UTF-16 text). "
-            f"Supported kinds: {SUPPORTED}; convert the file to one of them.")
-    return text
+        candidates = [("utf-8", "UTF-8")]
+        if b"\x00" not in data and _mostly_text(data):
+            candidates += [("cp1252", "Windows-1252"), ("latin-1", "Latin-1")]
+    for codec, name in candidates:
+        try:
+            text = data.decode(codec)
+        except UnicodeDecodeError:
+            continue
+        if "\x00" not in text:              # NUL characters never occur in real text
+            return text, name
+    raise DocumentError(
+        f"{path.name} looks binary (it is not UTF-8, UTF-16, Windows-1252 or Latin-1 text). "
+        f"Supported kinds: {SUPPORTED}; convert the file to one of them.")
+
+
+def _mostly_text(data: bytes) -> bool:
+    """Under 1% control characters other than tab, newline, form feed and carriage return."""
+    controls = sum(1 for c in data if c < 32 and c not in (9, 10, 12, 13))
+    return controls <= len(data) // 100
 
 
 def _pdf_text(path: Path, data: bytes) -> tuple[str, int]:

@@ -258,7 +258,7 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_document_ready(self, info: dict) -> None:
         self.document_info = dict(info)
-        self.document_panel.set_document(info["name"], info["text"], info["tokens"])
+        self.document_panel.set_document(info["name"], info["text"], info["tokens"], info.get("encoding", ""))
         self.quest_highlight.clear()
         self._show_context(info["tokens"])
         self.settings.setValue("document", info["path"])

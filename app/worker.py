@@ -161,7 +161,7 @@ class EngineWorker(QObject):
             self.history = []
         self.document = doc
         self.document_ready.emit({"name": doc.name, "path": str(doc.path), "text": doc.text, "tokens": tokens,
-                                  "limit": limit})
+                                  "limit": limit, "encoding": doc.encoding if doc.kind != "pdf" else ""})
 
     @Slot()
     def new_chat(self) -> None:

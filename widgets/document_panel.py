@@ -85,12 +85,12 @@ class DocumentPanel(QWidget):
         layout.addWidget(self.meter)
 
     # ------------------------------------------------------------------ document
-    def set_document(self, name: str, text: str, tokens: int) -> None:
-        """Show a newly loaded document (clears any message and highlight)."""
+    def set_document(self, name: str, text: str, tokens: int, encoding: str = "") -> None:
+        """Show a newly loaded document (clears any message and highlight); `encoding`: how its bytes were read."""
         self._name, self._tokens = name, tokens
         self.name_label.setText(name)
         self.name_label.setToolTip(name)
-        self.tokens_label.setText(f"{tokens:,} tokens")
+        self.tokens_label.setText(f"{tokens:,} tokens" + (f" · {encoding}" if encoding else ""))
         self.preview.setExtraSelections([])
         self.preview.setPlainText(text)
         self.preview.moveCursor(QTextCursor.MoveOperation.Start)

@@ -272,3 +272,26 @@ def test_offload_modes_exit_cleanly_every_time(default_model_dir, tmp_path, mode
         assert proc.returncode == 0, proc.stderr
         assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr
         assert f"{mode}: KV moved host->device" in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["/proc/nope/t.json", "{tmp}"])
+def test_an_unwritable_trace_path_is_refused_before_any_work(capsys, tmp_path, where):
+    """The answer used to be computed and then lost when the trace could not be written."""
+    code, out, err = run_cli(capsys, "--trace", where.format(tmp=tmp_path), "--ask", "hi")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--trace" in err and ("does not exist" in err or "is a folder" in err)
+
+
+def test_a_kv_store_that_is_a_file_is_one_warning_line_and_the_answer_comes(default_model_dir, tmp_path):
+    not_a_folder = tmp_path / "kv"
+    not_a_folder.write_text("a file")
+    doc = tmp_path / "note.txt"
+    doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen.\n")
+    proc = subprocess.run([sys.executable, "main.py", "chat", "--document", str(doc), "--ask", "Where?",
+                           "--max-new-tokens", "2", "--model", str(default_model_dir), "--kv-store", str(not_a_folder)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1 and warned[0].startswith("warning: KV page store: cannot use") and str(not_a_folder) in warned[0]
+    assert "warnings.warn" not in proc.stderr and ".py:" not in proc.stderr
+    assert not_a_folder.read_text() == "a file"                       # nothing lost

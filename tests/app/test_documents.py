@@ -121,6 +121,21 @@ def test_utf16_and_utf8_bom_decode(tmp_path):
         assert load_document(write(tmp_path, name, data)).text == body
 
 
+def test_old_8bit_encodings_are_read_and_named(tmp_path):
+    """Most old documents are Latin-1 or Windows-1252: read, and the encoding reported; real binary is not."""
+    latin = load_document(write(tmp_path, "latin.txt", "caf\u00e9 \u00e9t\u00e9, na\u00efve\n".encode("latin-1")))
+    assert latin.text == "caf\u00e9 \u00e9t\u00e9, na\u00efve\n" and latin.encoding == "Windows-1252"
+    quotes = "\u201cQuoted\u201d \u2013 \u20ac5\n"                           # curly quotes, en dash, euro sign
+    win = load_document(write(tmp_path, "win.md", quotes.encode("cp1252")))
+    assert win.text == quotes and win.encoding == "Windows-1252"
+    odd = load_document(write(tmp_path, "odd.txt", b"x \x81 y\n"))         # no character in Windows-1252
+    assert odd.text == "x \x81 y\n" and odd.encoding == "Latin-1"
+    assert load_document(write(tmp_path, "u.txt", "Gr\u00fc\u00dfe\n")).encoding == "UTF-8"
+    assert load_document(write(tmp_path, "w.txt", "Gr\u00fc\u00dfe\n".encode("utf-16"))).encoding == "UTF-16"
+    junk = bytes(range(1, 32)) * 20 + "caf\u00e9".encode("latin-1")             # control bytes: not text
+    assert "binary" in error_for(write(tmp_path, "junk.dat", junk))
+
+
 def test_unknown_extension_read_as_text(tmp_path):
     doc = load_document(write(tmp_path, "script.py", "print('hi')\n"))
     assert doc.kind == "text" and doc.text == "print('hi')\n"
@@ -158,7 +173,6 @@ def test_empty_html_is_empty(tmp_path):
 
 @pytest.mark.parametrize("name,data", [
     ("nul.txt", b"text\x00with nul"),
-    ("latin.txt", "caf\u00e9 \u00e9t\u00e9".encode("latin-1")),  # not valid UTF-8
     ("image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"),
     ("utf16-nobom.txt", "no bom".encode("utf-16-le")),
 ])

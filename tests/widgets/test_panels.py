@@ -197,3 +197,10 @@ def test_dropped_files_are_checked(doc_panel, qtbot, tmp_path):
         qtbot.mouseClick(doc_panel.open_button, Qt.MouseButton.LeftButton)
     doc_panel.show_error("notes.md is empty.")
     assert doc_panel.message() == "notes.md is empty." and doc_panel.token_count() == 3
+
+
+def test_document_panel_names_the_encoding_it_was_read_in(doc_panel):
+    doc_panel.set_document("old.txt", "caf\u00e9", 12, "Windows-1252")
+    assert doc_panel.tokens_label.text() == "12 tokens · Windows-1252"
+    doc_panel.set_document("new.md", "text", 3)
+    assert doc_panel.tokens_label.text() == "3 tokens"
