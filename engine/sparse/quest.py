@@ -104,6 +104,7 @@ class QuestPolicy(SparsePolicy):
         self._chosen.clear()
         self._planned.clear()
         self._candidates = (None, None)
+        self._picks, self._step = [], {}                  # a stopped step's leftovers
         self.selections = self.fetched = self.fixes = 0
         self.dense_reason = ""
 
