@@ -85,7 +85,7 @@ class LayerwiseRunner(OffloadRunner):
                 else:
                     with rec.span(COMPUTE, "attention", l):
                         K, V = oe.kv_views(buf)
-                        where = slots if packed is None else torch.tensor(new, device=self.device)[:, None]
+                        where = slots if packed is None else self._slot_of(pos, end, new)
                         q = layer.qkv_rows(h, residual, cos_sin, lambda k, v, a, b: store_kv(
                             k, v, K, V, where[:, a:b]), self.chunk_tokens)
                         if observe and is_prefill:   # observed once its blocks' keys are written (below)
@@ -110,10 +110,18 @@ class LayerwiseRunner(OffloadRunner):
         self._steps += 1
         return self._logits(h, residual, ctx)
 
+    def _slot_of(self, pos: torch.Tensor, end: int, new: tuple[int, int]) -> torch.Tensor:
+        """The new token's (block, offset) in a packed buffer as a device tensor [2, 1], made from its position on
+        the device (a tensor from host ints would be a synchronous copy in the layer loop)."""
+        bs = self.block_size
+        flat = pos + (new[0] * bs + new[1] - (end - 1))
+        return torch.stack([flat // bs, flat % bs])
+
     def _observe(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext) -> None:
-        """Show the policy the layer's query (q [Hq, D]) before its attention, and apply the correction it returns."""
+        """Decode: show the policy the layer's query (q [Hq, D]) before its attention; apply the correction it
+        returns."""
         fix = self.policy.observe_query(l, q, ctx)
-        if fix is not None and not ctx.is_prefill:
+        if fix is not None:
             self.oe.fix_rows(buf, l, fix.rows, fix.dst)
 
     def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):
