@@ -46,12 +46,12 @@ class Ours:
         self.vocab = self.llm.args.vocab_size
         self.base, self.policy, self.params = self.name, "full", {}
         if policy != "full":
-            self.name, self.policy, self.params = f"{self.name}+{policy}", policy, params or {}
+            self.name, self.policy, self.params = _label(self.name, policy, params), policy, params or {}
 
     def variant(self, policy: str, params: dict) -> "Ours":
         """The same engine running another policy (switched before each of its runs)."""
         v = copy.copy(self)
-        v.name, v.policy, v.params = self.base if policy == "full" else f"{self.base}+{policy}", policy, params
+        v.name, v.policy, v.params = self.base if policy == "full" else _label(self.base, policy, params), policy, params
         return v
 
     def _use(self, **extra) -> None:
@@ -224,3 +224,8 @@ class TransformersOffloaded(Transformers):
 
     def close(self):
         pass
+
+
+def _label(base: str, policy: str, params: dict | None) -> str:
+    """A column name: mode+policy, with the parameters' values when given (two budgets of one policy differ)."""
+    return f"{base}+{policy}" + (f"({','.join(str(v) for v in params.values())})" if params else "")

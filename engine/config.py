@@ -86,6 +86,8 @@ class EngineConfig:
                               "(or torch was built without CUDA): use --device cpu")
         if device.type not in ("cuda", "cpu"):
             raise ConfigError(f"unsupported device {name!r}: use cuda or cpu")
+        if device.type == "cuda" and device.index is None:   # an explicit index: torch's stream and event calls
+            device = torch.device("cuda", torch.cuda.current_device())   # take a slow path to find it otherwise
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:

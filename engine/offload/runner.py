@@ -62,7 +62,8 @@ class OffloadRunner:
 
     def set_policy(self, policy: SparsePolicy) -> None:
         """The sparse policy of the next requests (between requests only)."""
-        self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks)
+        self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks,
+                             self.max_blocks_per_seq, self.device.type == "cuda" and not self.config.enforce_eager)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, ctx: StepContext) -> list[int]:
         if len(seqs) != 1:

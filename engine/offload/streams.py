@@ -74,9 +74,14 @@ class CopyStream:
             s = self.stream
             for e in after:
                 s.wait_event(e)
-            with torch.cuda.stream(s), recorder.span(self.lane, name, layer, stream=s, bytes=nbytes, slot=slot, **args):
-                for dst, src in pairs:
-                    src() if dst is None else dst.copy_(src, non_blocking=True)
+            prev = torch.cuda.current_stream(s.device)   # (torch.cuda.stream(s) looks the device up: slow per layer)
+            torch.cuda.set_stream(s)
+            try:
+                with recorder.span(self.lane, name, layer, stream=s, bytes=nbytes, slot=slot, **args):
+                    for dst, src in pairs:
+                        src() if dst is None else dst.copy_(src, non_blocking=True)
+            finally:
+                torch.cuda.set_stream(prev)
             done = torch.cuda.Event(enable_timing=True)  # the slot view times READY by it
             done.record(s)
             return done
@@ -122,7 +127,7 @@ def compute_done(device: torch.device):
     if device.type != "cuda":
         return DONE
     e = torch.cuda.Event()
-    e.record()
+    e.record(torch.cuda.current_stream(device))
     return e
 
 
@@ -137,9 +142,10 @@ def wait_on(event, device: torch.device, recorder: Recorder = NULL_RECORDER, lay
             torch.cuda.current_stream(device).wait_event(event)
             return
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        torch.cuda.current_stream(device).wait_event(event)
-        e1.record()
+        stream = torch.cuda.current_stream(device)
+        e0.record(stream)
+        stream.wait_event(event)
+        e1.record(stream)
         recorder.add_event_span(COMPUTE, name, e0, e1, layer, slot=slot)
         return
     if not recorder.enabled or event.query():

@@ -39,15 +39,15 @@ def gather_rows_reference(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _gather_rows_kernel(src, dst, rows, dst_rows, n, s_blk, s_kv, s_head, s_tok, d_blk, d_kv, d_head, d_tok,
+    def _gather_rows_kernel(src, dst, rows, dst_rows, n, s_row, s_dst, s_blk, s_kv, s_head, s_tok, d_blk, d_kv, d_head, d_tok,
                             BS: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_DST: tl.constexpr):
         h = tl.program_id(0)
         j = tl.program_id(1) * R + tl.arange(0, R)
         kv = tl.program_id(2)
         inside = j < n
-        tok = tl.load(rows + h * n + j, mask=inside, other=-1).to(tl.int64)
+        tok = tl.load(rows + h * s_row + j, mask=inside, other=-1).to(tl.int64)
         if HAS_DST:
-            to = tl.load(dst_rows + h * n + j, mask=inside, other=-1).to(tl.int64)
+            to = tl.load(dst_rows + h * s_dst + j, mask=inside, other=-1).to(tl.int64)
         else:
             to = j.to(tl.int64)
         ok = (tok >= 0) & inside
@@ -59,15 +59,16 @@ if triton is not None:
 
 
 def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> None:
-    """dst <- per-head rows of src (see the module docstring). rows (and dst_rows): int64 [Hkv, n] on dst's device."""
+    """dst <- per-head rows of src (see the module docstring). rows (and dst_rows): int64 [Hkv, n] on dst's device,
+    each head's row contiguous (a column slice of a wider tensor is fine)."""
     if triton is None or src.stride(-1) != 1 or dst.stride(-1) != 1:
         return gather_rows_reference(src, dst, rows, dst_rows)
     hkv, n = rows.shape
     if n == 0:
         return
-    rows = rows.contiguous()
-    dst_rows = rows if dst_rows is None else dst_rows.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()       # a view of a plan: rows may be strided
+    dst_rows = rows if dst_rows is None else dst_rows if dst_rows.stride(-1) == 1 else dst_rows.contiguous()
     _gather_rows_kernel[(hkv, triton.cdiv(n, ROWS), 2)](
-        src, dst, rows, dst_rows, n, *src.stride()[:4], *dst.stride()[:4], BS=src.shape[3], R=ROWS, D=src.shape[4],
+        src, dst, rows, dst_rows, n, rows.stride(0), dst_rows.stride(0), *src.stride()[:4], *dst.stride()[:4], BS=src.shape[3], R=ROWS, D=src.shape[4],
         HAS_DST=dst_rows is not rows, num_warps=4)
 

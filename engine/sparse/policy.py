@@ -40,6 +40,8 @@ class KVLayout:
     device: torch.device
     dtype: torch.dtype
     num_blocks: int = 0          # host (or paged) KV blocks: the block ids the hooks are given
+    max_blocks_per_seq: int = 0  # blocks one sequence can have (0: num_blocks)
+    graphs: bool = False         # the runner replays CUDA graphs at decode (a policy may capture its own work)
 
 
 @dataclass
@@ -126,10 +128,11 @@ class SparsePolicy:
         pass
 
 
-def attach(policy: SparsePolicy, args, block_size: int, device, dtype, num_blocks: int) -> SparsePolicy:
+def attach(policy: SparsePolicy, args, block_size: int, device, dtype, num_blocks: int, max_blocks_per_seq: int = 0,
+           graphs: bool = False) -> SparsePolicy:
     """Ready `policy` for a model's KV (its layout)."""
     policy.initialize(KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, block_size, device, dtype,
-                               num_blocks))
+                               num_blocks, max_blocks_per_seq, graphs))
     return policy
 
 

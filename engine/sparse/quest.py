@@ -17,6 +17,12 @@ pages chosen with the layer's previous query (the speculation), and of the windo
 it chooses that were not loaded are fetched in place of the ones it dropped (a `RowFix`), so attention always
 uses the current query's choice; that choice is also the next step's speculation. All the selection state
 lives here, per layer.
+
+The decode work has static shapes (every page a sequence can have is scored, the ones that are no candidates
+masked; the step's context enters through small device tensors set once per step), so on CUDA a layer's
+scoring, selection, correction and next plan are one graph replay, and nothing in it waits for the host.
+The rows a plan loads are kept per context parity: the loads for the next step read one copy while this
+step's choices are written to the other.
 """
 from __future__ import annotations
 
@@ -47,25 +53,46 @@ class QuestPolicy(SparsePolicy):
         self.window = self.token_budget - self.sink - self.k * ps          # R: recent <= R < recent + page_size
         self._recall: dict[str, dict[int, list[torch.Tensor]]] = {}   # kind -> layer -> per step, per query head
         self._step: dict[str, dict[int, float]] = {}                  # this step's figures, per layer
-        self._chosen: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, scores, version)
-        self._planned: dict[int, tuple[torch.Tensor, int]] = {}      # layer -> (speculated positions, context_len)
-        self._picks: list[tuple] = []                                # this step's, for the recorder
-        self._candidates: tuple = (None, None)                       # (first, end, table) -> their page ids
+        self._chosen: dict[int, tuple[int, int]] = {}   # layer -> (version, context its rows are written for) of
+                                                        # its choice (in _pages; no entry: none yet)
+        self._planned: dict[int, int] = {}        # layer -> context_len of the speculation its buffer was given
+        self._picked: list[int] = []              # layers that chose this step, for the recorder
+        self._fixed: list[int] = []               # layers whose speculation this step corrected
         self._version = 0
-        self.selections = self.fetched = self.fixes = 0
+        self.selections = self.fetched = self.fixes = self.plans = 0
         self.dense_reason = ""
 
     def initialize(self, layout: KVLayout) -> None:
         super().initialize(layout)
         if layout.block_size % self.page_size:
             raise ConfigError(f"quest page_size {self.page_size} must divide the KV block size {layout.block_size}")
-        self.pages_per_block = layout.block_size // self.page_size
-        n = layout.num_blocks * self.pages_per_block
-        shape = (layout.num_layers, n, layout.num_kv_heads, layout.head_dim)
-        self.kmin = torch.full(shape, float("inf"), dtype=layout.dtype, device=layout.device)
-        self.kmax = torch.full(shape, float("-inf"), dtype=layout.dtype, device=layout.device)
-        self._fetched = torch.zeros(layout.num_layers, dtype=torch.long, device=layout.device)
-        self._in_page = torch.arange(self.page_size, device=layout.device)
+        ps, dev, hkv, d, L = self.page_size, layout.device, layout.num_kv_heads, layout.head_dim, layout.num_layers
+        self.pages_per_block = ppb = layout.block_size // ps
+        # per layer, pool page and kv head: the keys' element-wise [min | max] (no bounds yet: +inf | -inf)
+        self.kb = torch.empty(L, layout.num_blocks * ppb, hkv, 2 * d, dtype=layout.dtype, device=dev)
+        self.kmin, self.kmax = self.kb[..., :d], self.kb[..., d:]
+        self.kmin.fill_(float("inf"))
+        self.kmax.fill_(float("-inf"))
+        n = (layout.max_blocks_per_seq or layout.num_blocks) * ppb       # pages a sequence can have
+        lng = dict(dtype=torch.long, device=dev)
+        self._page_ids = torch.zeros(n, **lng)                  # the sequence's page -> pool page
+        self._valid = torch.zeros(n, dtype=torch.bool, device=dev)   # this step's candidates
+        self._pages = torch.zeros(L, hkv, self.k, **lng)       # each layer's choice: sequence pages, ascending
+        self._scores = torch.zeros(L, hkv, self.k, dtype=torch.float32, device=dev)
+        self._plan = torch.full((2, L, hkv, self.token_budget), -1, **lng)   # rows to load, by context parity
+        self._next = torch.zeros(1, **lng)                      # the parity of the next step's context
+        self._fix_rows = torch.full((hkv, self.k * ps), -1, **lng)
+        self._fix_dst = torch.zeros(hkv, self.k * ps, **lng)
+        self._fetched = torch.zeros(L, **lng)
+        self._all_pages, self._in_page = torch.arange(n, device=dev), torch.arange(ps, device=dev)
+        self._in_block, self._k_range = torch.arange(ppb, device=dev), torch.arange(self.k, device=dev)
+        self._q: torch.Tensor | None = None                    # the observed query (static: graphs read it)
+        self._setup_for: tuple | None = None
+        self._plan_for = [None, None]                          # the context each parity's sink/window rows are for
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._warm: set[tuple] = set()
+        self._pool = None
+        self._capture = layout.graphs and dev.type == "cuda"
 
     def whole_layers(self) -> tuple[int, ...]:
         return tuple(range(min(self.dense_layers, self.layout.num_layers)))
@@ -94,8 +121,7 @@ class QuestPolicy(SparsePolicy):
         hkv, _, d = keys.shape
         pages = keys[:, first * ps:last * ps].reshape(hkv, last - first, ps, d)
         at = block_id * self.pages_per_block + first
-        self.kmin[layer, at:at + last - first] = pages.amin(dim=2).transpose(0, 1)
-        self.kmax[layer, at:at + last - first] = pages.amax(dim=2).transpose(0, 1)
+        self.kb[layer, at:at + last - first] = torch.cat([pages.amin(dim=2), pages.amax(dim=2)], -1).transpose(0, 1)
 
     # ---------------------------------------------------------------- the runner's hooks
     def reset(self) -> None:
@@ -103,86 +129,144 @@ class QuestPolicy(SparsePolicy):
         self._recall.clear()
         self._chosen.clear()
         self._planned.clear()
-        self._candidates = (None, None)
-        self._picks, self._step = [], {}                  # a stopped step's leftovers
-        self.selections = self.fetched = self.fixes = 0
+        self._picked, self._fixed, self._step = [], [], {}   # a stopped step's leftovers
+        self._setup_for, self._plan_for = None, [None, None]
+        self.selections = self.fetched = self.fixes = self.plans = 0
         self.dense_reason = ""
 
     def _rows(self, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Sequence token positions [..] -> rows of the layer's host pool (block * block_size + offset)."""
         bs = self.layout.block_size
-        return ctx.block_table[positions // bs] * bs + positions % bs
-
-    def _page_tokens(self, pages: torch.Tensor) -> torch.Tensor:
-        """Page numbers [Hkv, k] -> their token positions [Hkv, k * page_size], page by page."""
-        return (pages[:, :, None] * self.page_size + self._in_page).flatten(1)
+        return ctx.block_table[positions // bs].long() * bs + positions % bs
 
     def plan_load(self, layer: int, context_len: int, ctx: StepContext) -> LoadPlan | None:
-        """The rows of the sink, of the pages chosen with an earlier query, and of the window's part in the host
-        pool, for a step whose sequence has context_len tokens; None (load all) where the layer is dense or no
-        choice was made yet."""
+        """The rows of the sink, of the pages chosen with an earlier query (the speculation), and of the window's
+        part in the host pool, for a step whose sequence has context_len tokens; None (load all) where the layer
+        is dense or no choice was made yet. The rows are a view of this policy's plan for that context."""
         chosen = self._chosen.get(layer)
         if chosen is None or not self.sparse(layer, context_len):
             self._planned.pop(layer, None)
             return None
-        bs, hkv, dev = self.layout.block_size, self.layout.num_kv_heads, chosen[0].device
-        partial = context_len - (context_len - 1) // bs * bs          # tokens of the block being filled
-        device_tail = min(self.window, partial)
-        tail = torch.arange(context_len - self.window, context_len - device_tail, device=dev)
-        sink = torch.arange(self.sink, device=dev)
-        tokens = torch.cat([sink.expand(hkv, -1), self._page_tokens(chosen[0]), tail.expand(hkv, -1)], dim=1)
-        self._planned[layer] = (chosen[0], context_len)
-        return LoadPlan(self._rows(tokens, ctx), device_tail, ("quest", layer, chosen[2], context_len))
+        bs, par, S, W = self.layout.block_size, context_len % 2, self.sink, self.window
+        device_tail = min(W, context_len - (context_len - 1) // bs * bs)   # the block being filled is on the device
+        if self._plan_for[par] != context_len:            # once per step, every layer: the sink's and window's rows
+            dev = self._pages.device
+            fixed = self._rows(torch.cat([torch.arange(S, device=dev),               # (the new token's block may
+                                          torch.arange(context_len - W, context_len - device_tail, device=dev)]),
+                               ctx)                                                 # not be in the table yet)
+            self._plan[par, :, :, :S] = fixed[:S]
+            self._plan[par, :, :, self.token_budget - W:self.token_budget - device_tail] = fixed[S:]
+            self._plan_for[par] = context_len
+        if chosen[1] != context_len:                      # chosen at another step than the one before: its rows
+            self._write_pages(layer, self._pages[layer], torch.tensor([par], device=self._next.device))
+            self._chosen[layer] = (chosen[0], context_len)
+        self._planned[layer] = context_len
+        self.plans += 1
+        return LoadPlan(self._plan[par, layer, :, :self.token_budget - device_tail], device_tail,
+                        ("quest", layer, chosen[0], context_len))
 
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
         """This step's query of `layer` (q [Hq, D]), before its attention: choose the pages among the candidates;
-        where this step loaded another speculation, fetch what it lacks in place of what it no longer wants."""
+        where this step loaded a speculation, fetch what it lacks in place of what it no longer wants."""
         end = ctx.context_len
         if not self.sparse(layer, end + 1):                        # neither now nor at the next step
             self._chosen.pop(layer, None)
             return None
-        n_pages = (end - self.window) // self.page_size             # candidates: whole pages before the window
-        positions, scores = self.select(layer, q, self.sink // self.page_size, n_pages, ctx)
-        fix, planned = None, self._planned.get(layer)
-        if planned is not None and planned[1] == end:
-            fix = self._fix(layer, planned[0], positions, ctx)
-            if self.measure_recall and ctx.layer_keys is not None:
-                self._measure_recall(layer, q, planned[0], positions, ctx)
+        self._begin(end, ctx)
+        fix = self._planned.get(layer) == end and layer in self._chosen   # its buffer holds this step's speculation
+        measure = fix and self.measure_recall and ctx.layer_keys is not None
+        old = self._pages[layer].clone() if measure else None
+        if self._q is None:
+            self._q = torch.empty_like(q)
+        self._q.copy_(q)
+        self._run(layer, fix)
+        if measure:
+            self._measure_recall(layer, q, old, self._pages[layer], ctx)
         self._version += 1
-        self._chosen[layer] = (positions, scores, self._version)
+        self._chosen[layer] = (self._version, end + 1)
         self.selections += 1
         if ctx.recorder.enabled:
-            self._picks.append((layer, n_pages, positions, scores, self._page_ids(positions, ctx)))
-        return fix
+            self._picked.append(layer)
+        if fix:
+            self._fixed.append(layer)
+        return RowFix(self._fix_rows, self._fix_dst) if fix else None
 
-    def _fix(self, layer: int, old: torch.Tensor, new: torch.Tensor, ctx: StepContext) -> RowFix:
-        """Rows of the pages in `new` that `old` lacks -> the packed places of the pages of `old` not in `new`
-        (both [Hkv, k]; page i of a speculation is packed at rows sink + i * page_size ...). -1: nothing to do."""
-        k = new.shape[1]
+    def _begin(self, end: int, ctx: StepContext) -> None:
+        """Once per step: the sequence's pages as pool pages, the candidates (the whole pages between the sink and
+        the window), and which copy of the plan the choices go to."""
+        table = ctx.block_table
+        key = (end, table.shape[0], table.data_ptr())
+        if self._setup_for == key:
+            return
+        self._setup_for = key
+        ppb, n = self.pages_per_block, table.shape[0] * self.pages_per_block
+        self._page_ids[:n] = (table.long()[:, None] * ppb + self._in_block).flatten()
+        first, stop = self.sink // self.page_size, (end - self.window) // self.page_size
+        torch.logical_and(self._all_pages >= first, self._all_pages < stop, out=self._valid)
+        self._next.fill_((end + 1) % 2)
+        self._n_candidates = stop                             # the recorder's page count
+
+    def _run(self, layer: int, fix: bool) -> None:
+        """The layer's selection: eager, or (CUDA graphs) captured on its second use and replayed after."""
+        key = (layer, fix)
+        graph = self._graphs.get(key)
+        if graph is None and (not self._capture or key not in self._warm):
+            self._warm.add(key)
+            return self._select(layer, fix)
+        if graph is None:
+            graph = self._graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._select(layer, fix)
+            self._pool = graph.pool()
+        graph.replay()
+
+    def _select(self, layer: int, fix: bool) -> None:
+        """Score every page (masked to the candidates), keep the k best per kv head, correct the loaded
+        speculation if `fix`, and write the choice and the next step's rows. Static shapes, no host sync."""
+        s = self.scores(layer, self._q, self._page_ids).masked_fill_(~self._valid, float("-inf"))
+        top = s.topk(self.k, dim=-1, sorted=False).indices.sort(dim=-1).values      # [Hkv, k] sequence pages
+        if fix:
+            self._fix(layer, top)
+        self._pages[layer] = top
+        self._scores[layer] = s.gather(1, top)
+        self._write_pages(layer, top, self._next)
+
+    def _write_pages(self, layer: int, pages: torch.Tensor, parity: torch.Tensor) -> None:
+        """The rows of the chosen pages [Hkv, k] into the plan of context parity `parity` (a device index [1])."""
+        ps, S = self.page_size, self.sink
+        rows = (self._page_ids[pages][:, :, None] * ps + self._in_page).flatten(1)  # [Hkv, k * page_size]
+        self._plan[:, layer, :, S:S + self.k * ps].index_copy_(0, parity, rows[None])
+
+    def _fix(self, layer: int, new: torch.Tensor) -> None:
+        """Rows of the pages in `new` that the loaded speculation lacks -> the packed places of its pages that `new`
+        drops (page i of a speculation is packed at rows sink + i * page_size ...); -1: nothing to do."""
+        old, ps = self._pages[layer], self.page_size
         have = (new[:, :, None] == old[:, None, :]).any(-1)                  # chosen and already loaded
         keep = (old[:, :, None] == new[:, None, :]).any(-1)                  # loaded and still chosen
         missing = torch.argsort(have.to(torch.int8), dim=1, stable=True)    # the pages to fetch first
         free = torch.argsort(keep.to(torch.int8), dim=1, stable=True)       # the places to fetch them to first
         n_missing = (~have).sum(1, keepdim=True)
-        todo = (torch.arange(k, device=new.device)[None] < n_missing).repeat_interleave(self.page_size, 1)
-        rows = self._rows(self._page_tokens(new.gather(1, missing)), ctx).masked_fill(~todo, -1)
-        dst = self.sink + self._page_tokens(free)
+        todo = self._k_range[None] < n_missing                              # [Hkv, k]
+        rows = self._page_ids[new.gather(1, missing)][:, :, None] * ps + self._in_page
+        self._fix_rows.copy_(rows.masked_fill_(~todo[:, :, None], -1).flatten(1))
+        self._fix_dst.copy_((self.sink + free[:, :, None] * ps + self._in_page).flatten(1))
         self._fetched[layer] += n_missing.sum()
-        return RowFix(rows, dst)
 
     def end_step(self, ctx: StepContext) -> None:
         """Once per step: the step's picks go to the recorder stacked (three copies to the host, asynchronous);
         the pages the corrections fetched are read (one small copy)."""
-        picks, self._picks = self._picks, []
-        if picks and ctx.recorder.enabled:
-            layers, n_pages, positions, scores, pages = zip(*picks)
-            ctx.recorder.quest_picks(list(layers), torch.stack(pages), torch.stack(scores), list(n_pages),
-                                     torch.stack(positions), self.page_size)
-        if self._planned:
+        picked, self._picked = self._picked, []
+        if picked and ctx.recorder.enabled:
+            at = slice(picked[0], picked[-1] + 1) if picked == list(range(picked[0], picked[-1] + 1)) else picked
+            positions = self._pages[at]
+            ctx.recorder.quest_picks(picked, self._page_ids[positions], self._scores[at],
+                                     [self._n_candidates] * len(picked), positions, self.page_size)
+        fixed, self._fixed = self._fixed, []
+        if fixed:
             fetched = self._fetched.tolist()
             self._fetched.zero_()
             hkv = self.layout.num_kv_heads
-            per_layer = {l: fetched[l] / hkv for l in self._planned}
+            per_layer = {l: fetched[l] / hkv for l in fixed}
             self._step["fetched"] = per_layer
             self.fetched += sum(per_layer.values())
             self.fixes += len(per_layer)
@@ -192,13 +276,13 @@ class QuestPolicy(SparsePolicy):
         """The true attention mass on what this step attends to (the current choice) and on what the speculation
         alone would have given, from the layer's whole K."""
         k = ctx.layer_keys()                                                   # [Hkv, end, D]
-        end = k.shape[1]
+        end, ps = k.shape[1], self.page_size
         scale = self.layout.head_dim ** -0.5
         for kind, pages in (("recall", new), ("recall_speculative", old)):
             attended = torch.zeros(k.shape[0], end, dtype=torch.bool, device=k.device)
             attended[:, :self.sink] = True
             attended[:, end - self.window:] = True
-            attended.scatter_(1, self._page_tokens(pages), True)
+            attended.scatter_(1, (pages[:, :, None] * ps + self._in_page).flatten(1), True)
             r = self.recall(q, k, attended, scale)
             self.note_recall(layer, r, kind)
             self._step.setdefault(kind, {})[layer] = r.mean().item()
@@ -219,31 +303,14 @@ class QuestPolicy(SparsePolicy):
         return out
 
     # ---------------------------------------------------------------- selection
-    def _page_ids(self, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Sequence page numbers -> global page ids (host block * pages_per_block + page in block)."""
-        ppb = self.pages_per_block
-        return ctx.block_table[positions // ppb] * ppb + positions % ppb
-
     def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """q [Hq, D] -> upper bounds [Hkv, n_pages] of q·k over each page (global ids; max over the group's
-        query heads)."""
-        hkv = self.layout.num_kv_heads
-        qg = q.float().reshape(hkv, -1, q.shape[-1])                                 # [Hkv, G, D]
-        lo = self.kmin[layer, pages].float().transpose(0, 1)[:, None]                 # [Hkv, 1, P, D]
-        hi = self.kmax[layer, pages].float().transpose(0, 1)[:, None]
-        bound = torch.maximum(qg[:, :, None] * lo, qg[:, :, None] * hi).sum(-1)     # [Hkv, G, P]
-        return bound.amax(dim=1)
-
-    def select(self, layer: int, q: torch.Tensor, first: int, end: int, ctx: StepContext
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best of the sequence's pages first..end-1 per kv head -> (their page numbers [Hkv, k],
-        ascending; their scores)."""
-        if self._candidates[0] != (first, end, ctx.block_table.data_ptr()):    # the same for every layer of a step
-            self._candidates = ((first, end, ctx.block_table.data_ptr()),
-                                self._page_ids(torch.arange(first, end, device=q.device), ctx))
-        s = self.scores(layer, q, self._candidates[1])
-        top = s.topk(min(self.k, end - first), dim=-1).indices.sort(dim=-1).values
-        return top + first, s.gather(1, top)
+        """q [Hq, D] -> upper bounds [Hkv, n] of q·k over the pool pages `pages` [n] (max over the group's query
+        heads). sum_d max(q_d min_d, q_d max_d) = [min(q, 0) | max(q, 0)] · [min | max]: one batched matmul."""
+        hkv, d = self.layout.num_kv_heads, q.shape[-1]
+        qg = q.reshape(hkv, -1, d).to(self.kb.dtype)
+        qq = torch.cat([qg.clamp(max=0), qg.clamp(min=0)], dim=-1)                  # [Hkv, G, 2D]
+        kb = self.kb[layer].index_select(0, pages)                                   # [n, Hkv, 2D]
+        return torch.bmm(qq, kb.permute(1, 2, 0)).amax(dim=1).float()               # [Hkv, n]
 
     # ---------------------------------------------------------------- figures
     def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:
@@ -261,7 +328,7 @@ class QuestPolicy(SparsePolicy):
     def stats(self) -> dict:
         out = {"token_budget": self.token_budget, "page_size": self.page_size, "sink": self.sink,
                "window": self.window, "pages_per_head": self.k, "dense_layers": self.dense_layers,
-               "selections": self.selections, "sparse": self.fixes > 0 or bool(self._planned),
+               "selections": self.selections, "sparse": self.plans > 0,
                "fetched_pages_per_step": self.fetched / self.fixes if self.fixes else 0.0}
         if not out["sparse"]:
             out["reason"] = self.dense_reason or "no decode step attended to part of the context"

@@ -58,9 +58,9 @@ def test_selection_is_per_kv_head():
         p.on_kv_written(0, b, keys[b], 0, 32)
     q = torch.zeros(4, 8)
     q[:, 0] = q[:, 1] = 1.0                                         # every query head looks for both
-    top, scores = p.select(0, q, 1, 11, StepContext(block_table=torch.arange(6)))
-    assert top.tolist() == [[4, 5], [8, 9]]                         # per head, among pages 1..10
-    assert (scores > 4).all()
+    p.observe_query(0, q, StepContext(block_table=torch.arange(6), context_len=192))   # candidates: pages 1..10
+    assert p._pages[0].tolist() == [[4, 5], [8, 9]]                 # per head
+    assert (p._scores[0] > 4).all()
 
 
 @pytest.mark.parametrize("bs,page,budget,sink,recent", [(32, 16, 64, 16, 16), (64, 16, 200, 16, 32),
@@ -76,8 +76,8 @@ def test_every_sparse_step_attends_exactly_the_budget(bs, page, budget, sink, re
     for b in range(blocks):
         p.on_kv_written(1, int(table[b]), torch.randn(2, bs, 8), 0, bs)
     for end in range(budget + 1, budget + 3 * bs):
-        ctx.context_len = end
-        p.observe_query(1, torch.randn(4, 8), ctx)                  # a choice for this context
+        ctx.context_len = end - 1
+        p.observe_query(1, torch.randn(4, 8), ctx)                  # the step before chooses for this one
         plan = p.plan_load(1, end, ctx)
         assert plan.rows.shape[1] + plan.device_tail == budget
         partial = end - (end - 1) // bs * bs
@@ -110,7 +110,7 @@ def test_the_correction_fetches_what_the_current_query_wants():
     plan = p.plan_load(0, 150, ctx)                                 # pages {2, x} at rows 16..47
     assert 2 in (plan.rows[0, 16:48] // 16).tolist()
     fix = p.observe_query(0, second, ctx)                           # now page 7 matters
-    now = p._chosen[0][0]
+    now = p._pages[0]
     assert 7 in now[0].tolist()
     fetched = fix.rows[fix.rows >= 0].view(2, -1) // 16
     assert set(fetched[0].tolist()) == set(now[0].tolist()) - set((plan.rows[0, 16:48] // 16).tolist())
