@@ -3,11 +3,12 @@
 One uint8 `ImageItem` (fixed levels, a lookup table from the background to the selection colour), rows = the
 layers that recorded picks, columns = global page ids from the step's smallest to its largest picked id (the
 blocks of one sequence are mostly consecutive ids, so this is close to sequence order). Modes: "selected" (lit
-where chosen) and "scores" (the chosen pages' upper-bound scores, normalised per row). One kv head, or "all
-heads" (the fraction of heads choosing each page). A slider scrubs the recorded decode steps that carry picks;
-at the newest one it follows new steps. The pick recorded at step s is what its layer loads at step s + 1 (plus
-the newest block's pages, which are not part of the pick). With Quest's recall measured (`recall=True`), step
-s + 1 records the share of the true attention mass that those pages held: the caption and the hover show it.
+where chosen) and "scores" (the chosen pages' scores, their estimated attention share, normalised per row).
+One kv head, or "all heads" (the fraction of heads choosing each page). A slider scrubs the recorded decode steps
+that carry picks; at the newest one it follows new steps. The pick recorded at step s is what its layer loads at
+step s + 1 (plus the newest block's pages, which are not part of the pick). With Quest's recall measured
+(`recall=True`), step s + 1 records the share of the true attention mass that those pages held: the caption and
+the hover show it.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class QuestView(HeatmapView):
         self._n_heads = 0
 
         self.head_combo = QComboBox(toolTip="The kv head whose picks are shown, or the fraction of heads")
-        self.mode_combo = QComboBox(toolTip="Selected pages, or their upper-bound scores normalised per layer")
+        self.mode_combo = QComboBox(toolTip="Selected pages, or their scores (estimated attention share) normalised "
+                                    "per layer")
         for m in MODES:
             self.mode_combo.addItem(m, m)
         self.slider = QSlider(Qt.Orientation.Horizontal, minimum=0, maximum=0)

@@ -2,13 +2,18 @@
 
 Per page (page_size tokens) and layer the policy keeps, on the device, the element-wise min and max of the
 page's keys for each kv head (post-RoPE keys, as attended). For a query q the upper bound of q·k over a page
-is sum_d max(q_d * min_d, q_d * max_d) (each term is the larger of the two ends of its interval); a kv head's
-score of a page is the max of that bound over the query heads of its group.
+is sum_d max(q_d * min_d, q_d * max_d) (each term is the larger of the two ends of its interval). A kv head scores
+a page by the attention share its query heads would give it if each key reached its bound (a softmax of the
+bounds over the candidates per query head, summed over the group's heads), so every head of the group is served.
 
 The budget B counts every token a layer attends to per kv head: the sink S (the first tokens, whole pages),
-k pages chosen by score, and the recent window of R tokens that ends at the new token, where
-k = (B - S - recent) // page_size and R = B - S - k * page_size (so recent <= R < recent + page_size): exactly B
+k pages chosen by score, and the recent window that ends at the new token, where
+k = (B - S - recent) // page_size and R = B - S - k * page_size (recent <= R < recent + page_size): exactly B
 whenever the context is longer than B. The candidates are the whole pages between the sink and the window.
+The window starts at a page boundary, so no token falls between the candidates and the window: it holds the
+R newest tokens and the g < page_size before them up to the boundary (measured on the default model, those g
+tokens held up to a third of a head's attention when they were left out), and the g tokens are taken from the
+end of the lowest-scored chosen page, so the count stays exactly B.
 Layers below `dense_layers`, contexts up to B and contexts below `min_context` load everything.
 
 At decode the runner loads each layer ahead of its query: `plan_load` hands out the rows of the sink, of the
@@ -22,7 +27,8 @@ The decode work has static shapes (every page a sequence can have is scored, the
 masked; the step's context enters through small device tensors set once per step), so on CUDA a layer's
 scoring, selection, correction and next plan are one graph replay, and nothing in it waits for the host.
 The rows a plan loads are kept per context parity: the loads for the next step read one copy while this
-step's choices are written to the other.
+step's choices are written to the other. A plan's rows are [sink | the window's host part | the chosen pages, best
+first]; the last g rows of the pages fall past the plan's end (the truncation above).
 """
 from __future__ import annotations
 
@@ -79,8 +85,12 @@ class QuestPolicy(SparsePolicy):
         self._valid = torch.zeros(n, dtype=torch.bool, device=dev)   # this step's candidates
         self._pages = torch.zeros(L, hkv, self.k, **lng)       # each layer's choice: sequence pages, ascending
         self._scores = torch.zeros(L, hkv, self.k, dtype=torch.float32, device=dev)
-        self._plan = torch.full((2, L, hkv, self.token_budget), -1, **lng)   # rows to load, by context parity
+        self._plan = torch.full((2, L, hkv, self.token_budget + ps), -1, **lng)   # rows to load, by context parity
         self._next = torch.zeros(1, **lng)                      # the parity of the next step's context
+        self._cols = torch.zeros(self.k * ps, **lng)            # the columns of its pages' rows
+        self._base = torch.zeros((), **lng)                     # this step's: where the pages start, the row count
+        self._n_rows = torch.zeros((), **lng)
+        self._heads, self._kps = torch.arange(hkv, device=dev), torch.arange(self.k * ps, device=dev)
         self._fix_rows = torch.full((hkv, self.k * ps), -1, **lng)
         self._fix_dst = torch.zeros(hkv, self.k * ps, **lng)
         self._fetched = torch.zeros(L, **lng)
@@ -92,7 +102,7 @@ class QuestPolicy(SparsePolicy):
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._warm: set[tuple] = set()
         self._pool = None
-        self._capture = layout.graphs and dev.type == "cuda"
+        self._capture = layout.graphs and dev.type == "cuda" and not self.measure_recall   # recall reads the fix
 
     def whole_layers(self) -> tuple[int, ...]:
         return tuple(range(min(self.dense_layers, self.layout.num_layers)))
@@ -147,22 +157,21 @@ class QuestPolicy(SparsePolicy):
         if chosen is None or not self.sparse(layer, context_len):
             self._planned.pop(layer, None)
             return None
-        bs, par, S, W = self.layout.block_size, context_len % 2, self.sink, self.window
-        device_tail = min(W, context_len - (context_len - 1) // bs * bs)   # the block being filled is on the device
+        par, S = context_len % 2, self.sink
+        R, tail, base = self._layout_for(context_len)
         if self._plan_for[par] != context_len:            # once per step, every layer: the sink's and window's rows
-            dev = self._pages.device
-            fixed = self._rows(torch.cat([torch.arange(S, device=dev),               # (the new token's block may
-                                          torch.arange(context_len - W, context_len - device_tail, device=dev)]),
-                               ctx)                                                 # not be in the table yet)
-            self._plan[par, :, :, :S] = fixed[:S]
-            self._plan[par, :, :, self.token_budget - W:self.token_budget - device_tail] = fixed[S:]
+            dev = self._pages.device                      # (the new token's block may not be in the table yet)
+            fixed = self._rows(torch.cat([torch.arange(S, device=dev),
+                                          torch.arange(context_len - R, context_len - tail, device=dev)]), ctx)
+            self._plan[par, :, :, :base] = fixed
             self._plan_for[par] = context_len
         if chosen[1] != context_len:                      # chosen at another step than the one before: its rows
+            self._begin_plan(context_len)
             self._write_pages(layer, self._pages[layer], torch.tensor([par], device=self._next.device))
             self._chosen[layer] = (chosen[0], context_len)
         self._planned[layer] = context_len
         self.plans += 1
-        return LoadPlan(self._plan[par, layer, :, :self.token_budget - device_tail], device_tail,
+        return LoadPlan(self._plan[par, layer, :, :self.token_budget - tail], tail,
                         ("quest", layer, chosen[0], context_len))
 
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
@@ -181,7 +190,7 @@ class QuestPolicy(SparsePolicy):
         self._q.copy_(q)
         self._run(layer, fix)
         if measure:
-            self._measure_recall(layer, q, old, self._pages[layer], ctx)
+            self._measure_recall(layer, q, old, end, ctx)
         self._version += 1
         self._chosen[layer] = (self._version, end + 1)
         self.selections += 1
@@ -190,6 +199,18 @@ class QuestPolicy(SparsePolicy):
         if fix:
             self._fixed.append(layer)
         return RowFix(self._fix_rows, self._fix_dst) if fix else None
+
+    def _layout_for(self, context_len: int) -> tuple[int, int, int]:
+        """A step of context_len tokens -> its window (page aligned: R plus the tokens before it in its first page),
+        the window's newest tokens on the device (of the block being filled), and where a plan's pages start."""
+        bs = self.layout.block_size
+        window = self.window + (context_len - self.window) % self.page_size
+        tail = min(window, context_len - (context_len - 1) // bs * bs)
+        return window, tail, self.sink + window - tail
+
+    def _begin_plan(self, context_len: int) -> None:
+        """The columns the pages' rows of a plan for context_len go to."""
+        torch.add(self._kps, self._layout_for(context_len)[2], out=self._cols)
 
     def _begin(self, end: int, ctx: StepContext) -> None:
         """Once per step: the sequence's pages as pool pages, the candidates (the whole pages between the sink and
@@ -204,6 +225,10 @@ class QuestPolicy(SparsePolicy):
         first, stop = self.sink // self.page_size, (end - self.window) // self.page_size
         torch.logical_and(self._all_pages >= first, self._all_pages < stop, out=self._valid)
         self._next.fill_((end + 1) % 2)
+        self._begin_plan(end + 1)
+        _, tail, base = self._layout_for(end)
+        self._base.fill_(base)
+        self._n_rows.fill_(self.token_budget - tail)
         self._n_candidates = stop                             # the recorder's page count
 
     def _run(self, layer: int, fix: bool) -> None:
@@ -223,23 +248,25 @@ class QuestPolicy(SparsePolicy):
     def _select(self, layer: int, fix: bool) -> None:
         """Score every page (masked to the candidates), keep the k best per kv head, correct the loaded
         speculation if `fix`, and write the choice and the next step's rows. Static shapes, no host sync."""
-        s = self.scores(layer, self._q, self._page_ids).masked_fill_(~self._valid, float("-inf"))
-        top = s.topk(self.k, dim=-1, sorted=False).indices.sort(dim=-1).values      # [Hkv, k] sequence pages
+        s = self.scores(layer, self._q, self._page_ids, self._valid)
+        top = s.topk(self.k, dim=-1).indices                                         # [Hkv, k], best first
         if fix:
-            self._fix(layer, top)
+            self._last_fix = self._fix(layer, top)
         self._pages[layer] = top
         self._scores[layer] = s.gather(1, top)
         self._write_pages(layer, top, self._next)
 
     def _write_pages(self, layer: int, pages: torch.Tensor, parity: torch.Tensor) -> None:
-        """The rows of the chosen pages [Hkv, k] into the plan of context parity `parity` (a device index [1])."""
-        ps, S = self.page_size, self.sink
-        rows = (self._page_ids[pages][:, :, None] * ps + self._in_page).flatten(1)  # [Hkv, k * page_size]
-        self._plan[:, layer, :, S:S + self.k * ps].index_copy_(0, parity, rows[None])
+        """The rows of the chosen pages [Hkv, k] into the plan of context parity `parity` (a device index [1]), at
+        the columns _begin_plan set."""
+        rows = (self._page_ids[pages][:, :, None] * self.page_size + self._in_page).flatten(1)  # [Hkv, k * ps]
+        self._plan[:, layer].index_put_((parity[:, None, None], self._heads[None, :, None], self._cols[None, None]),
+                                        rows[None])
 
-    def _fix(self, layer: int, new: torch.Tensor) -> None:
+    def _fix(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows of the pages in `new` that the loaded speculation lacks -> the packed places of its pages that `new`
-        drops (page i of a speculation is packed at rows sink + i * page_size ...); -1: nothing to do."""
+        drops (page i of a speculation is packed at rows base + i * page_size ..., those past the plan's rows are
+        not attended); -1: nothing to do. -> (pages to fetch, their slots, which of them are fetched) [Hkv, k]."""
         old, ps = self._pages[layer], self.page_size
         have = (new[:, :, None] == old[:, None, :]).any(-1)                  # chosen and already loaded
         keep = (old[:, :, None] == new[:, None, :]).any(-1)                  # loaded and still chosen
@@ -247,10 +274,13 @@ class QuestPolicy(SparsePolicy):
         free = torch.argsort(keep.to(torch.int8), dim=1, stable=True)       # the places to fetch them to first
         n_missing = (~have).sum(1, keepdim=True)
         todo = self._k_range[None] < n_missing                              # [Hkv, k]
-        rows = self._page_ids[new.gather(1, missing)][:, :, None] * ps + self._in_page
-        self._fix_rows.copy_(rows.masked_fill_(~todo[:, :, None], -1).flatten(1))
-        self._fix_dst.copy_((self.sink + free[:, :, None] * ps + self._in_page).flatten(1))
+        fetch = new.gather(1, missing)
+        rows = self._page_ids[fetch][:, :, None] * ps + self._in_page
+        dst = self._base + free[:, :, None] * ps + self._in_page
+        self._fix_rows.copy_(rows.masked_fill_(~todo[:, :, None] | (dst >= self._n_rows), -1).flatten(1))
+        self._fix_dst.copy_(dst.flatten(1))
         self._fetched[layer] += n_missing.sum()
+        return fetch, free, todo
 
     def end_step(self, ctx: StepContext) -> None:
         """Once per step: the step's picks go to the recorder stacked (three copies to the host, asynchronous);
@@ -271,18 +301,24 @@ class QuestPolicy(SparsePolicy):
             self.fetched += sum(per_layer.values())
             self.fixes += len(per_layer)
 
-    def _measure_recall(self, layer: int, q: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
-                        ctx: StepContext) -> None:
-        """The true attention mass on what this step attends to (the current choice) and on what the speculation
-        alone would have given, from the layer's whole K."""
+    def _measure_recall(self, layer: int, q: torch.Tensor, old: torch.Tensor, end: int, ctx: StepContext) -> None:
+        """The true attention mass on what this step attended to (the speculation as corrected: what its rows
+        hold) and on what the speculation alone would have given, from the layer's whole K."""
         k = ctx.layer_keys()                                                   # [Hkv, end, D]
-        end, ps = k.shape[1], self.page_size
+        ps, hkv = self.page_size, k.shape[0]
+        window, _, _ = self._layout_for(end)
+        fetch, free, todo = self._last_fix
+        slots = old.clone()                                                    # page in each packed slot
+        slots.scatter_(1, free, torch.where(todo, fetch, old.gather(1, free)))
+        keep = torch.ones(self.k, ps, dtype=torch.bool, device=k.device)      # the last slot lost its tail
+        keep[-1, ps - (window - self.window):] = False
         scale = self.layout.head_dim ** -0.5
-        for kind, pages in (("recall", new), ("recall_speculative", old)):
-            attended = torch.zeros(k.shape[0], end, dtype=torch.bool, device=k.device)
+        for kind, pages in (("recall", slots), ("recall_speculative", old)):
+            attended = torch.zeros(hkv, end, dtype=torch.bool, device=k.device)
             attended[:, :self.sink] = True
-            attended[:, end - self.window:] = True
-            attended.scatter_(1, (pages[:, :, None] * ps + self._in_page).flatten(1), True)
+            attended[:, end - window:] = True
+            tokens = (pages[:, :, None] * ps + self._in_page)[:, keep]
+            attended.scatter_(1, tokens, True)
             r = self.recall(q, k, attended, scale)
             self.note_recall(layer, r, kind)
             self._step.setdefault(kind, {})[layer] = r.mean().item()
@@ -303,14 +339,24 @@ class QuestPolicy(SparsePolicy):
         return out
 
     # ---------------------------------------------------------------- selection
-    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """q [Hq, D] -> upper bounds [Hkv, n] of q·k over the pool pages `pages` [n] (max over the group's query
-        heads). sum_d max(q_d min_d, q_d max_d) = [min(q, 0) | max(q, 0)] · [min | max]: one batched matmul."""
+    def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """q [Hq, D] -> upper bounds [Hkv, G, n] of q·k over the pool pages `pages` [n], per query head.
+        sum_d max(q_d min_d, q_d max_d) = [min(q, 0) | max(q, 0)] · [min | max]: one batched matmul."""
         hkv, d = self.layout.num_kv_heads, q.shape[-1]
         qg = q.reshape(hkv, -1, d).to(self.kb.dtype)
         qq = torch.cat([qg.clamp(max=0), qg.clamp(min=0)], dim=-1)                  # [Hkv, G, 2D]
         kb = self.kb[layer].index_select(0, pages)                                   # [n, Hkv, 2D]
-        return torch.bmm(qq, kb.permute(1, 2, 0)).amax(dim=1).float()               # [Hkv, n]
+        return torch.bmm(qq, kb.permute(1, 2, 0)).float()                           # [Hkv, G, n]
+
+    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """A kv head's score of each page [Hkv, n]: per query head of its group, the page's share of attention
+        estimated from the bounds (softmax over the candidates `valid`), summed over the group; -1 for pages
+        that are no candidates. (The maximum of the bounds over the group, the paper's GQA choice, lets one
+        sharp query head take every page: on the default model two heads of a group kept 10% and 35% of
+        their attention mass while the third kept all of it.)"""
+        b = self.bounds(layer, q, pages).masked_fill_(~valid, float("-inf"))
+        est = torch.softmax(b * self.layout.head_dim ** -0.5, dim=-1).sum(1)
+        return est.masked_fill_(~valid, -1.0)
 
     # ---------------------------------------------------------------- figures
     def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:

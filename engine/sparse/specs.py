@@ -121,7 +121,8 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
         "it chooses which host KV pages to load at each decode step; in gpu mode all KV is already on the device",
         (Param("token_budget", int, 2048, 32, 1 << 22, "KV tokens attended per decode step, layer and kv head, "
                "everything counted: the sink, the pages chosen by score, and the recent window that ends at the new "
-               "token (it takes what whole pages leave over, so the count is exact). Smaller = faster, less exact; "
+               "token (it takes what whole pages leave over, and starts at a page boundary: the lowest-scored page "
+               "gives it the tokens that needs, so the count is exact). Smaller = faster, less exact; "
                "1024-4096 is typical.", "Token budget", aliases=("quest-budget",), step=256),
          Param("page_size", int, 16, help="tokens per page, the unit whose key min/max bounds are scored; it must "
                "divide the KV block size. Smaller pages select more precisely and cost more metadata.",
