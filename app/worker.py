@@ -114,9 +114,10 @@ class EngineWorker(QObject):
 
     def _load(self, config: dict) -> None:
         from engine import LLM
-        from engine.trace import TraceRecorder
+        from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
         llm = LLM(progress=self.model_progress.emit, **config)
-        llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append)
+        llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append,
+                                     detail_hz=LIVE_DETAIL_HZ)
         self.llm, self.engine_config = llm, dict(config)
         self.history, self._map_cache = [], (None, None, "")
         self._ready()

@@ -123,11 +123,13 @@ class Ours:
 
 
 class OursTraced:
-    """The same engine (and policy) with a recording recorder on: the overhead of tracing, measured side by side."""
+    """The same engine (and policy) with a recording recorder on, as the app records (a decode step's per-layer
+    timeline at the views' redraw rate, LIVE_DETAIL_HZ): the overhead of watching, measured side by side."""
 
     def __init__(self, ours: Ours):
-        from engine.trace import TraceRecorder
-        self.ours, self.recorder = ours, TraceRecorder(max_steps=256, device=ours.llm.device)
+        from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
+        self.ours, self.recorder = ours, TraceRecorder(max_steps=256, device=ours.llm.device,
+                                                       detail_hz=LIVE_DETAIL_HZ)
         self.name = f"{ours.name}+trace"
 
     def _traced(self, fn, *args):

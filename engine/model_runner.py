@@ -251,14 +251,14 @@ class ModelRunner:
             ids, pos, meta = self.prepare_decode(seqs)
             return self.model.logits(self.model(ids, pos, self._attend(meta, ctx), ctx))
         rec = ctx.recorder
-        if rec.enabled and graph_bs not in self.traced_graphs:
+        if rec.detail and graph_bs not in self.traced_graphs:
             self._capture(graph_bs, traced=True)
             self._capture(graph_bs, traced=True)
         g = self.graph_vars
         host, tables = self._decode_host_inputs(seqs, g["inputs"].shape[1], self.max_blocks_per_seq)
         g["inputs"].copy_(host, non_blocking=True)   # two copies in all: inputs (padded rows) and block tables
         g["block_tables"][:n].copy_(tables, non_blocking=True)
-        if rec.enabled:  # two traced copies, alternating: the last step's events are read during this one
+        if rec.detail:  # two traced copies, alternating: the last step's events are read during this one
             pair = self.traced_graphs[graph_bs]
             pair.reverse()
             graph, spans = pair[0]

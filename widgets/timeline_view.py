@@ -246,11 +246,14 @@ class TimelineView(TracePlot):
             self.summary = None
             self.summary_label.setText("nothing recorded in the visible range")
             return
-        spans = [s for step, _ in self._visible_steps(t0 / 1e3, t1 / 1e3) for s in step.spans]
-        self.summary = s = summarize(spans, t0=t0, t1=t1)
+        steps = [step for step, _ in self._visible_steps(t0 / 1e3, t1 / 1e3)]
+        self.summary = s = summarize(steps, t0=t0, t1=t1)
         busy = " · ".join(f"{LANE_TITLES[lane]} {fmt_pct(s.busy_fraction.get(lane, 0.0))}" for lane in LANES)
         text = (f"visible {fmt_us(t1 - t0)} — busy: {busy} — copy overlapped by compute {fmt_pct(s.overlap_fraction)}"
                 + f" — exposed copy {fmt_us(s.exposed_copy_us)}")
+        shown = sum(step.detailed for step in steps)
+        if shown < len(steps):   # the engine recorded the timeline of some decode steps only (its detail rate)
+            text = f"timeline of {shown} of {len(steps)} steps (figures over those) — " + text
         rates = [f"{LANE_TITLES[lane]} {s.gbps[lane]:.2f} GB/s" for lane in (H2D, D2H) if s.gbps.get(lane)]
         if rates:
             text += " — " + " · ".join(rates)

@@ -116,7 +116,7 @@ class ChunkedRunner(OffloadRunner):
         slot = (first + i) % N
         for ev in oe.ready(slot):
             wait_on(ev, self.device, rec, layer, slot)
-        if rec.enabled:
+        if rec.detail:
             rec.slot_state(slot, layer, COMPUTING, bs, oe.capacity_tokens)
         n = bs
         if not isinstance(loads[i][1], int):                            # a pack: rows j .. j + n of the plan

@@ -25,6 +25,7 @@ from engine.offload.streams import wait_on
 from engine.sequence import Sequence
 from engine.step import StepContext
 from engine.trace.events import COMPUTE, COMPUTING
+from engine.trace.recorder import NULL_RECORDER, NULL_SPAN
 
 
 class LayerwiseRunner(OffloadRunner):
@@ -63,6 +64,8 @@ class LayerwiseRunner(OffloadRunner):
             h, residual = graphs.h, graphs.residual
         observe = policy.plans_loads       # each layer's last query (at prefill the prompt's: the first choice)
         S, N = len(self.streamed), oe.ring_slots
+        marks = rec.detail and self.device.type == "cuda"   # CUDA timeline: layers share their boundary marks
+        mark = rec.mark() if marks else None
         for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
             self._load(oe.resident[layer], layer, table[:n_host], end, is_prefill, ctx)
         for j in range(min(N, S)):                   # no-op where last step's prefetch already did it
@@ -70,11 +73,15 @@ class LayerwiseRunner(OffloadRunner):
         for l, layer in enumerate(model.layers):
             buf = self._buffer(l)
             packed = self._packed[buf] if self._packed[buf] and self._packed[buf][0] == l else None
-            with rec.span(COMPUTE, model.layer_names[l], l, slot=buf if buf < N else None):
+            slot = buf if buf < N else None
+            with (NULL_SPAN if marks else rec.span(COMPUTE, model.layer_names[l], l, slot=slot)):
                 for ev in oe.ready(buf):
-                    wait_on(ev, self.device, rec, l, buf if buf < N else None)
-                if rec.enabled and buf < N:
-                    rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens)
+                    wait_on(ev, self.device, NULL_RECORDER if marks else rec, l, slot, stream=oe.compute)
+                if marks:                            # the wait, then the layer: three marks in all, one shared
+                    began = rec.mark()
+                    rec.add_event_span(COMPUTE, "wait for copy", mark, began, l, slot=slot)
+                if rec.detail and slot is not None:
+                    rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens, event=began if marks else None)
                 new, context = self._place_newest(l, buf, packed, n_host, start, end)  # new token's (block, offset)
                 q_last = None
                 if observe and policy.wants_layer_keys:
@@ -102,6 +109,10 @@ class LayerwiseRunner(OffloadRunner):
                         layer.post_rows(o, h, residual, self.chunk_tokens)
                         del o
                 self._after_layer(seq, l, buf, packed, n_host, n_done, start, end, new)
+                if marks:
+                    mark = rec.mark()
+                    rec.add_event_span(COMPUTE, model.layer_names[l], began, mark, l, slot=slot)
+                oe.release(buf, l, end, event=mark)
                 if q_last is not None:
                     policy.observe_query(l, q_last, ctx)
             if buf < N:
@@ -161,7 +172,7 @@ class LayerwiseRunner(OffloadRunner):
 
     def _after_layer(self, seq, l, buf, packed, n_host, n_done, start, end, new) -> None:
         """Offload the blocks completed in this step, keep the partly filled one in the decode buffer (the policy
-        sees its keys), release the buffer."""
+        sees its keys)."""
         oe, bs, policy = self.oe, self.block_size, self.policy
         table = seq.block_table
         if packed is None:
@@ -171,18 +182,17 @@ class LayerwiseRunner(OffloadRunner):
                 for p, i in zip(positions, range(n_host, n_done)):
                     policy.on_kv_written(l, table[i], oe.buffers[buf][p, 0], max(0, start - i * bs), bs)
             if end % bs:                                                # the partly filled block stays here
-                wait_on(oe.dbuf_read[l], self.device)
+                wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)
                 oe.dbuf[l].copy_(oe.buffers[buf][n_done])
                 policy.on_kv_written(l, table[n_done], oe.dbuf[l][0], max(0, start - n_done * bs), end % bs)
         else:                                                           # decode over packed rows: one new token
             partial = end - n_host * bs
             if partial == 1:
-                wait_on(oe.dbuf_read[l], self.device)                  # the last block's offload has read it
+                wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)                  # the last block's offload has read it
             oe.dbuf[l][:, :, partial - 1].copy_(oe.buffers[buf][new[0], :, :, new[1]])
             policy.on_kv_written(l, table[n_host], oe.dbuf[l][0], partial - 1, partial)
             if partial == bs:
                 oe.offload_dbuf(l, table[n_host])
-        oe.release(buf, l, end)
 
     def _layer_keys(self, l: int, buf: int, new: tuple, n_host: int, end: int, ctx: StepContext) -> torch.Tensor:
         """All of layer l's keys [Hkv, end, D]: the host blocks before this step, the partly filled block's earlier

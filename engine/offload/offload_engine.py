@@ -59,7 +59,8 @@ class OffloadEngine:
         self.block_shape = (2, num_kv_heads, block_size, head_dim)
         self.block_bytes = 2 * num_kv_heads * block_size * head_dim * dtype.itemsize  # one block of one layer
         self.host_blocks, self.slot_blocks = host_blocks, slot_blocks
-        self.recorder: Recorder = NULL_RECORDER   # the running step's (the runner hands it over each step)
+        self.recorder: Recorder = NULL_RECORDER   # the running step's (begin_step)
+        self.compute = None                       # CUDA: the running step's compute stream (begin_step)
         self.host = self._allocate_host((num_layers, host_blocks, *self.block_shape))
         try:
             self.buffers = [torch.zeros((slot_blocks, *self.block_shape), dtype=dtype, device=device)
@@ -77,7 +78,8 @@ class OffloadEngine:
         self.free: list = [None] * n       # compute done with the buffer
         self.read: list = [None] * n       # the buffer's last offload (it reads the buffer)
         self.held: list[dict] = [{} for _ in range(n)]  # position -> (layer, host block, version) it holds
-        self.version: dict[tuple[int, int], int] = {}   # (layer, host block) -> times written
+        self.owner: list = [None] * n                   # the layer whose blocks a buffer holds (None: none)
+        self.versions: list[dict] = [{} for _ in range(num_layers)]   # per layer: host block -> times written
         self.layer_written: list = [None] * num_layers  # last offload into each layer's host blocks
         self.dbuf_read: list = [None] * num_layers      # last offload out of each layer's decode buffer
         self.h2d = CopyStream("h2d", H2D, device)
@@ -129,34 +131,53 @@ class OffloadEngine:
         return self.slot_blocks * self.block_size
 
     # ---------------------------------------------------------------- copies
+    def begin_step(self, recorder: Recorder) -> None:
+        """A step starts: the recorder it reports to, and (CUDA) its compute stream, looked up once."""
+        self.recorder = recorder
+        self.compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
     def load(self, buf: int, layer: int, host_blocks: list[int], first: int = 0, **trace) -> None:
         """Host blocks of `layer` -> buffer positions first, first+1, ... (H2D stream, async). Positions that
         already hold the current version of their block (a resident layer, a slot loaded before) are skipped."""
-        held, ver = self.held[buf], self.version
-        need = []
-        for i, b in enumerate(host_blocks):
-            key = (layer, b, ver.get((layer, b), 0))
-            if held.get(first + i) != key:
-                held[first + i] = key
-                need.append((first + i, b))
+        held, ver, n = self.held[buf], self.versions[layer], len(host_blocks)
+        if self.owner[buf] == layer:           # some positions may hold these blocks already
+            need = []
+            for i, b in enumerate(host_blocks):
+                key = (layer, b, ver.get(b, 0))
+                if held.get(first + i) != key:
+                    held[first + i] = key
+                    need.append((first + i, b))
+            runs = block_runs(need)
+        else:                                  # another layer's blocks (a ring slot): all of them, no lookups
+            self.owner[buf] = layer
+            held.clear()
+            held.update({first + i: (layer, b, ver.get(b, 0)) for i, b in enumerate(host_blocks)})
+            need = host_blocks
+            b0 = host_blocks[0] if n else 0
+            runs = ([(first, b0, n)] if n and host_blocks[-1] - b0 == n - 1 and list(host_blocks) == list(
+                range(b0, b0 + n)) else block_runs(list(zip(range(first, first + n), host_blocks))))
         if not need:
             return
         rec = self.recorder
         dst = self.buffers[buf]
-        pairs = [(dst[p:p + n], self.host[layer, b:b + n]) for p, b, n in block_runs(need)]
+        pairs = [(dst[p:p + k], self.host[layer, b:b + k]) for p, b, k in runs]
         nbytes = len(need) * self.block_bytes
         slot = buf if buf < self.ring_slots else None
         ready = None
-        if rec.enabled and slot is not None:
-            rec.slot_state(slot, layer, LOADING, first * self.block_size, self.capacity_tokens,
-                           stream=self.h2d.stream)
-            tokens, cap = (first + len(host_blocks)) * self.block_size, self.capacity_tokens
-            ready = lambda: rec.slot_state(slot, layer, READY, tokens, cap)  # noqa: E731 - CPU: on the copy thread
+        cuda = self.device.type == "cuda"
+        trace_slot = rec.detail and slot is not None
+        if trace_slot:
+            tokens, cap = (first + n) * self.block_size, self.capacity_tokens
+            if not cuda:
+                rec.slot_state(slot, layer, LOADING, first * self.block_size, cap)
+                ready = lambda: rec.slot_state(slot, layer, READY, tokens, cap)  # noqa: E731 - on the copy thread
         self.loaded[buf] = self.h2d.copy(pairs, (self.free[buf], self.read[buf], self.loaded[buf],
                                                  self.layer_written[layer]),
                                          recorder=rec, name=f"load L{layer}", layer=layer, slot=slot, nbytes=nbytes,
-                                         on_done=ready, blocks=len(need), copies=len(pairs), **trace)
-        if ready is not None and self.device.type == "cuda":
+                                         on_done=ready, compute=self.compute, blocks=len(need), copies=len(pairs),
+                                         **trace)
+        if trace_slot and cuda:                # the copy's own start mark and end event time the states
+            rec.slot_state(slot, layer, LOADING, first * self.block_size, cap, event=self.h2d.last_start)
             rec.slot_state(slot, layer, READY, tokens, cap, event=self.loaded[buf])
         self.bytes_h2d += nbytes
 
@@ -176,13 +197,14 @@ class OffloadEngine:
             rows.record_stream(self.h2d.stream)
         gather = gather_rows if cuda else gather_rows_reference
         self.held[buf] = {}                                              # packed rows: no whole blocks held
+        self.owner[buf] = None
         nbytes = hkv * n * two * d * self.dtype.itemsize
         slot = buf if buf < self.ring_slots else None
         self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows),
                                         (self.free[buf], self.read[buf], self.loaded[buf], self.layer_written[layer],
-                                         compute_done(self.device)),
+                                         compute_done(self.device, self.compute)),
                                         recorder=self.recorder, name=f"load L{layer} rows", layer=layer, slot=slot,
-                                        nbytes=nbytes, tokens=n, **trace)
+                                        nbytes=nbytes, compute=self.compute, tokens=n, **trace)
         self.bytes_h2d += nbytes
 
     def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -231,11 +253,16 @@ class OffloadEngine:
         pairs = [(self.host[layer, b:b + n], src[p:p + n]) for p, b, n in block_runs(list(zip(positions, host_blocks)))]
         nbytes = len(host_blocks) * self.block_bytes
         slot = buf if buf is not None and buf < self.ring_slots else None
-        done = self.d2h.copy(pairs, (compute_done(self.device),), recorder=self.recorder, name=f"offload L{layer}",
-                             layer=layer, slot=slot, nbytes=nbytes, blocks=len(host_blocks), copies=len(pairs), **trace)
+        done = self.d2h.copy(pairs, (compute_done(self.device, self.compute),), recorder=self.recorder,
+                             name=f"offload L{layer}", layer=layer, slot=slot, nbytes=nbytes, compute=self.compute,
+                             blocks=len(host_blocks), copies=len(pairs), **trace)
         self.layer_written[layer] = done
+        ver = self.versions[layer]
+        if buf is not None and self.owner[buf] != layer:   # what it held of another layer is of no use now
+            self.held[buf].clear()
+            self.owner[buf] = layer
         for p, b in zip(positions, host_blocks):
-            v = self.version[(layer, b)] = self.version.get((layer, b), 0) + 1
+            v = ver[b] = ver.get(b, 0) + 1
             if buf is not None:
                 self.held[buf][p] = (layer, b, v)
         if buf is not None:
@@ -244,19 +271,20 @@ class OffloadEngine:
             self.dbuf_read[layer] = done
         self.bytes_d2h += nbytes
 
-    def release(self, buf: int, layer: int, tokens: int) -> None:
-        """Compute is done with a buffer (for now): later loads into it may start."""
-        self.free[buf] = compute_done(self.device)
+    def release(self, buf: int, layer: int, tokens: int, event=None) -> None:
+        """Compute is done with a buffer (for now): later loads into it may start. `event`: a mark of the compute
+        stream to time the slot's FREE state by (default: a new one)."""
+        self.free[buf] = compute_done(self.device, self.compute)
         rec = self.recorder
-        if rec.enabled and buf < self.ring_slots:
-            rec.slot_state(buf, layer, FREE, tokens, self.capacity_tokens)
+        if rec.detail and buf < self.ring_slots:
+            rec.slot_state(buf, layer, FREE, tokens, self.capacity_tokens, event=event)
 
     def host_written(self, host_blocks: list[int]) -> None:
         """These host blocks were written from outside (the disk tier): a buffer holding an older version of one
         of them loads it again."""
-        for b in host_blocks:
-            for layer in range(self.L):
-                self.version[(layer, b)] = self.version.get((layer, b), 0) + 1
+        for ver in self.versions:
+            for b in host_blocks:
+                ver[b] = ver.get(b, 0) + 1
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (both directions)."""

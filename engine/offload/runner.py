@@ -73,7 +73,7 @@ class OffloadRunner:
             self.policy.reset()
         if rec.enabled and self.device.type == "cpu":
             rec.device = "cpu (threaded copies)"  # what the views print: copies overlap compute on threads
-        self.oe.recorder = rec
+        self.oe.begin_step(rec)
         ctx.context_len = len(seq)
         if self.policy.plans_loads:   # the block table on the device, once per step (no host sync per layer)
             pin = self.device.type == "cuda"

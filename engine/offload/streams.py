@@ -50,6 +50,7 @@ class CopyStream:
     def __init__(self, name: str, lane: str, device: torch.device):
         self.name, self.lane, self.device = name, lane, device
         self.cuda = device.type == "cuda"
+        self.last_start = None
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
         else:
@@ -59,31 +60,36 @@ class CopyStream:
             self._thread.start()
 
     def run(self, fn, after=(), *, recorder: Recorder = NULL_RECORDER, name: str = "gather",
-            layer: int | None = None, slot: int | None = None, nbytes: int = 0, **args):
+            layer: int | None = None, slot: int | None = None, nbytes: int = 0, compute=None, **args):
         """Run `fn()` (work that moves data, e.g. a gather) on this stream after `after`; -> an end event."""
         return self.copy([(None, fn)], after, recorder=recorder, name=name, layer=layer, slot=slot, nbytes=nbytes,
-                         **args)
+                         compute=compute, **args)
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=(), *, recorder: Recorder = NULL_RECORDER,
              name: str = "copy", layer: int | None = None, slot: int | None = None, nbytes: int = 0, on_done=None,
-             **args):
+             compute=None, **args):
         """Copy each (dst, src) after the events in `after` (None entries are skipped); -> an event for the end.
-        CPU: `on_done()` runs on the copy thread right after the copies (CUDA: use the returned event)."""
+        CPU: `on_done()` runs on the copy thread right after the copies (CUDA: use the returned event).
+        CUDA: `compute` is the stream to return to (default: the current one); in a detailed step the copy is a
+        span between a mark at its start (`last_start`, for the slot's LOADING state) and the returned event."""
         after = [e for e in after if e is not None]
         if self.cuda:
             s = self.stream
             for e in after:
                 s.wait_event(e)
-            prev = torch.cuda.current_stream(s.device)   # (torch.cuda.stream(s) looks the device up: slow per layer)
+            # (torch.cuda.current_stream and torch.cuda.stream(s) look the device up: slow per layer)
+            prev = compute if compute is not None else torch.cuda.current_stream(s.device)
+            self.last_start = start = recorder.mark(s) if recorder.detail else None
             torch.cuda.set_stream(s)
             try:
-                with recorder.span(self.lane, name, layer, stream=s, bytes=nbytes, slot=slot, **args):
-                    for dst, src in pairs:
-                        src() if dst is None else dst.copy_(src, non_blocking=True)
+                for dst, src in pairs:
+                    src() if dst is None else dst.copy_(src, non_blocking=True)
             finally:
                 torch.cuda.set_stream(prev)
-            done = torch.cuda.Event(enable_timing=True)  # the slot view times READY by it
+            done = torch.cuda.Event(enable_timing=start is not None)   # the span's end (and the slot's READY)
             done.record(s)
+            if start is not None:
+                recorder.add_event_span(self.lane, name, start, done, layer, bytes=nbytes, slot=slot, **args)
             return done
         done = HostEvent()
         self._jobs.put((pairs, after, recorder, name, layer, slot, nbytes, args, done, on_done))
@@ -122,33 +128,33 @@ class CopyStream:
             self._thread.join()
 
 
-def compute_done(device: torch.device):
-    """An event marking the compute issued so far (CUDA: recorded on the current stream; CPU: done already)."""
+def compute_done(device: torch.device, stream=None):
+    """An event marking the compute issued so far (CUDA: recorded on `stream`, default the current one; CPU: done
+    already)."""
     if device.type != "cuda":
         return DONE
     e = torch.cuda.Event()
-    e.record(torch.cuda.current_stream(device))
+    e.record(stream if stream is not None else torch.cuda.current_stream(device))
     return e
 
 
 def wait_on(event, device: torch.device, recorder: Recorder = NULL_RECORDER, layer: int | None = None,
-            slot: int | None = None, name: str = "wait for copy") -> None:
-    """Make the compute stream wait for a copy event. With tracing on, the wait itself is a span on the compute
-    lane: CUDA events recorded just before and just after the wait bound the time compute stalled."""
+            slot: int | None = None, name: str = "wait for copy", stream=None) -> None:
+    """Make the compute stream (`stream`, default the current one) wait for a copy event. In a detailed step the
+    wait itself is a span on the compute lane: marks just before and just after the wait bound the time compute
+    stalled."""
     if event is None or event is DONE:
         return
     if device.type == "cuda":
-        if not recorder.enabled:
-            torch.cuda.current_stream(device).wait_event(event)
+        stream = stream if stream is not None else torch.cuda.current_stream(device)
+        if not recorder.detail:
+            stream.wait_event(event)
             return
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        stream = torch.cuda.current_stream(device)
-        e0.record(stream)
+        e0 = recorder.mark(stream)
         stream.wait_event(event)
-        e1.record(stream)
-        recorder.add_event_span(COMPUTE, name, e0, e1, layer, slot=slot)
+        recorder.add_event_span(COMPUTE, name, e0, recorder.mark(stream), layer, slot=slot)
         return
-    if not recorder.enabled or event.query():
+    if not recorder.detail or event.query():
         event.wait()
         return
     t0 = time.perf_counter_ns()

@@ -31,6 +31,9 @@ LOAD = "load"          # model load
 TOKENIZE = "tokenize"
 PHASES = (PREFILL, DECODE, LOAD, TOKENIZE)
 
+# How often a live view wants a decode step's per-layer timeline (about its redraw rate): TraceRecorder(detail_hz=)
+LIVE_DETAIL_HZ = 30.0
+
 
 @dataclass(slots=True)
 class Span:
@@ -109,6 +112,7 @@ class StepTrace:
     masks: list[MaskSummary] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
+    detailed: bool = True   # False: no per-layer timeline was recorded (spans, slots), see TraceRecorder's detail
 
     @property
     def dur_us(self) -> float:

@@ -18,6 +18,15 @@ the anchor is the wake-up latency of the sync (a few µs). `span()` must not be 
 capture: record events there yourself and hand them over with `add_event_span`, resolved the same way.
 Timing events are pooled and reused from step to step.
 
+Detail. Every step is recorded with its metrics, Quest picks, masks and host spans. The per-layer timeline
+(compute, copy and wait spans, ring slot states) is what costs: at a few hundred decode steps a second on a GPU
+its CUDA events alone would slow the engine down by half. With `detail_hz` set (the app: the rate its views
+redraw, LIVE_DETAIL_HZ) a decode step gets that timeline only when 1/detail_hz seconds have passed since the last
+detailed one; the others carry their metrics, picks and host-clock times (`StepTrace.detailed` says which).
+Prefill and every step slower than 1/detail_hz are always detailed. `detail` (per step) tells engine code
+whether to record the timeline; `enabled` whether to record at all. `mark()` records one pooled timing event
+(on the step's compute stream unless given one): consecutive spans share their boundary marks.
+
 Threads. Background copy threads may record spans concurrently with the main thread: every append goes
 through one lock. A span belongs to the step that is open when it exits; records made while no step is open
 are kept for the next one. With NVTX on (and CUDA), each span is also an NVTX range of the same name, and
@@ -32,75 +41,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
 from engine.trace.events import HOST, LANES, MaskSummary, QuestPick, SlotState, Span, StepTrace
-
-
-class _NullSpan:
-    """The context `Recorder.span()` returns: shared, stateless, free."""
-    __slots__ = ()
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-NULL_SPAN = _NullSpan()
-
-
-class Recorder:
-    """The no-op recorder: every method does nothing and keeps nothing."""
-    enabled = False
-    steps: tuple | deque = ()
-    last: StepTrace | None = None
-    on_step: Callable[[StepTrace], None] | None = None
-
-    def begin_step(self, phase: str, n_tokens: int = 0) -> None:
-        pass
-
-    def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
-             slot: int | None = None, **args):
-        return NULL_SPAN
-
-    def add_span(self, span: Span) -> None:
-        pass
-
-    def add_event_span(self, lane: str, name: str, start_event, end_event, layer: int | None = None, *,
-                       bytes: int = 0, slot: int | None = None, **args) -> None:
-        pass
-
-    def slot_state(self, slot: int, layer: int | None, state: str, tokens: int, capacity: int, *,
-                   stream=None, event=None) -> None:
-        pass
-
-    def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int, positions=None,
-                   page_size: int = 0) -> None:
-        pass
-
-    def quest_picks(self, layers: list[int], pages, scores, n_pages: list[int], positions, page_size: int) -> None:
-        pass
-
-    def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
-        pass
-
-    def end_step(self, metrics: dict | None = None, defer: bool = False) -> StepTrace | None:
-        return None
-
-    def resolve_deferred(self) -> StepTrace | None:
-        return None
-
-    def flush(self) -> StepTrace | None:
-        return None
-
-    def now_us(self) -> float:
-        return 0.0
-
-    def clear(self) -> None:
-        pass
-
-
-NULL_RECORDER = Recorder()
 
 
 class _HostSpan:
@@ -135,17 +77,13 @@ class _EventSpan(_HostSpan):
         rec = self.rec
         if rec._nvtx is not None:
             rec._nvtx.range_push(self.name)
-        if self.stream is None:
-            self.stream = rec._torch.cuda.current_stream(rec._device)
-        self.t0 = rec._event()
-        self.t0.record(self.stream)
+        self.t0 = rec.mark(self.stream)
 
     def __exit__(self, *exc):
         rec = self.rec
-        e1 = rec._event()
-        e1.record(self.stream)
+        e1 = rec.mark(self.stream)
         with rec._lock:
-            rec._pending.append((self.lane, self.name, self.layer, self.bytes, self.slot, self.args, self.t0, e1, True))
+            rec._pending.append((self.lane, self.name, self.layer, self.bytes, self.slot, self.args, self.t0, e1))
         if rec._nvtx is not None:
             rec._nvtx.range_pop()
         return False
@@ -156,7 +94,7 @@ class TraceRecorder(Recorder):
     enabled = True
 
     def __init__(self, max_steps: int = 256, device=None, nvtx: bool = True,
-                 on_step: Callable[[StepTrace], None] | None = None):
+                 on_step: Callable[[StepTrace], None] | None = None, detail_hz: float | None = None):
         self._base_ns = time.perf_counter_ns()
         self.steps: deque[StepTrace] = deque(maxlen=max_steps)
         self.last: StepTrace | None = None
@@ -175,13 +113,18 @@ class TraceRecorder(Recorder):
         self._step_no = 0
         self._open = False
         self._deferred = None            # a closed CUDA step whose events are read later (end_step(defer=True))
+        self._stream = None              # the step's compute stream (CUDA), looked up once per step
+        self._detail_every_us = 1e6 / detail_hz if detail_hz else 0.0
+        self._last_detail_us = -1e18
+        self.detail = True               # between steps (loading, tokenizing) everything is recorded
         self._reset_buffers()
 
     def _reset_buffers(self):
         self._spans: list[Span] = []
-        self._pending: list[tuple] = []       # (lane, name, layer, bytes, slot, args, e0, e1, pooled)
+        self._pending: list[tuple] = []       # (lane, name, layer, bytes, slot, args, e0, e1)
         self._slots: list[SlotState] = []
-        self._pending_slots: list[tuple] = []  # (event, pooled, slot, layer, state, tokens, capacity)
+        self._pending_slots: list[tuple] = []  # (event, slot, layer, state, tokens, capacity)
+        self._owned: list = []                 # this step's pooled events (back to the pool once read)
         self._quest: list[QuestPick] = []
         self._quest_bulk: list[tuple] = []
         self._masks: list[MaskSummary] = []
@@ -199,22 +142,41 @@ class TraceRecorder(Recorder):
 
     # ---------------------------------------------------------------- recording
     def begin_step(self, phase: str, n_tokens: int = 0) -> None:
-        """Open a step (one that is still open is closed first, with metric `incomplete` = 1)."""
+        """Open a step (one that is still open is closed first, with metric `incomplete` = 1); decide whether it
+        records the per-layer timeline (see Detail above)."""
         if self._open:
             self.end_step({"incomplete": 1.0})
         self._phase, self._n_tokens, self._open = phase, int(n_tokens), True
+        self._t_begin = now = self.now_us()
+        self.detail = (phase != "decode" or now - self._last_detail_us >= self._detail_every_us)
+        if self.detail:
+            self._last_detail_us = now
         if self._cuda:
+            self._stream = self._torch.cuda.current_stream(self._device)
             if self._nvtx is not None:
                 self._nvtx.range_push(f"{phase} {n_tokens} tok")
-            self._start_event = self._event()
-            self._start_event.record(self._torch.cuda.current_stream(self._device))
-        self._t_begin = self.now_us()
+            self._start_event = self.mark() if self.detail else None
 
     def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
              slot: int | None = None, **args):
-        if self._cuda and lane != HOST:
-            return _EventSpan(self, lane, name, layer, bytes, slot, args, stream)
+        if lane != HOST:
+            if not self.detail:
+                return NULL_SPAN
+            if self._cuda:
+                return _EventSpan(self, lane, name, layer, bytes, slot, args, stream)
         return _HostSpan(self, lane, name, layer, bytes, slot, args)
+
+    def mark(self, stream=None):
+        """CUDA: a pooled timing event recorded now on `stream` (default: the step's compute stream), to bound
+        spans with (`add_event_span`) and time slot states; it is this step's, read and pooled at its end.
+        CPU: None."""
+        if not self._cuda:
+            return None
+        ev = self._event()
+        ev.record(stream if stream is not None else
+                  self._stream if self._stream is not None else self._torch.cuda.current_stream(self._device))
+        self._owned.append(ev)
+        return ev
 
     def add_span(self, span: Span) -> None:
         """A span timed elsewhere, already in this recorder's time base (see `now_us`)."""
@@ -223,24 +185,28 @@ class TraceRecorder(Recorder):
 
     def add_event_span(self, lane: str, name: str, start_event, end_event, layer: int | None = None, *,
                        bytes: int = 0, slot: int | None = None, **args) -> None:
-        """A span between two recorded timing CUDA events (e.g. inside a CUDA graph); resolved at end_step."""
+        """A span between two recorded timing CUDA events (e.g. inside a CUDA graph, or `mark()`s); resolved at
+        end_step. Only in detailed steps (see Detail above)."""
+        if not self.detail:
+            return
         with self._lock:
-            self._pending.append((lane, name, layer, bytes, slot, args or None, start_event, end_event, False))
+            self._pending.append((lane, name, layer, bytes, slot, args or None, start_event, end_event))
 
     def slot_state(self, slot: int, layer: int | None, state: str, tokens: int, capacity: int, *,
                    stream=None, event=None) -> None:
-        """A ring slot changed state. On CUDA the time is that of `event` or of a new one on `stream`."""
+        """A ring slot changed state (detailed steps only). On CUDA the time is that of `event` or of a new mark on
+        `stream`."""
+        if not self.detail:
+            return
         if not self._cuda:
             rec = SlotState(self.now_us(), slot, layer, state, int(tokens), int(capacity))
             with self._lock:
                 self._slots.append(rec)
             return
-        pooled = event is None
-        if pooled:
-            event = self._event()
-            event.record(stream if stream is not None else self._torch.cuda.current_stream(self._device))
+        if event is None:
+            event = self.mark(stream)
         with self._lock:
-            self._pending_slots.append((event, pooled, slot, layer, state, int(tokens), int(capacity)))
+            self._pending_slots.append((event, slot, layer, state, int(tokens), int(capacity)))
 
     def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int, positions=None,
                    page_size: int = 0) -> None:
@@ -280,16 +246,18 @@ class TraceRecorder(Recorder):
         with self._lock:
             closing = [self._phase, self._n_tokens, self._step_no, self._t_begin, self._spans, self._pending,
                        self._slots, self._pending_slots, (self._quest, self._quest_bulk), self._masks,
-                       dict(metrics or {}), None, None]
+                       dict(metrics or {}), self._owned, self.detail, None, None]
             self._reset_buffers()
         self._step_no += 1
         self._open = False
+        self.detail = True
         if self._cuda:
-            end = self._event()
-            end.record(self._torch.cuda.current_stream(self._device))
+            end = self._event()   # (async copies of picks are read after it, also in a step without detail)
+            end.record(self._stream)
+            self._stream = None
             if not defer:
                 self._torch.cuda.synchronize(self._device)
-            closing[11:] = [self._start_event, (end, self.now_us())]
+            closing[13:] = [self._start_event, (end, self.now_us())]
             if defer:
                 self._deferred = closing
                 return None
@@ -302,12 +270,18 @@ class TraceRecorder(Recorder):
     flush = resolve_deferred
 
     def _finish(self, closing) -> StepTrace:
-        phase, n_tokens, step_no, t_begin, spans, pending, slots, pending_slots, quest, masks, metrics, start, end = closing
-        if self._cuda:
+        (phase, n_tokens, step_no, t_begin, spans, pending, slots, pending_slots, quest, masks, metrics, owned,
+         detailed, start, end) = closing
+        if self._cuda and start is not None:
             t0, t1 = self._resolve_events(start, *end, pending, pending_slots, spans, slots)
             t0 = min(t0, t_begin)
+        elif self._cuda:                      # no timeline: host clock; the end event guards the async copies
+            end[0].synchronize()
+            t0, t1 = t_begin, end[1]
+            self._pool.append(end[0])
         else:
             t0, t1 = t_begin, self.now_us()
+        self._pool += owned
         order = {lane: i for i, lane in enumerate(LANES)}
         spans.sort(key=lambda s: (order.get(s.lane, len(order)), s.lane, s.t0_us, -s.t1_us))
         slots.sort(key=lambda s: s.t_us)
@@ -325,7 +299,7 @@ class TraceRecorder(Recorder):
             m.image = None if m.image is None else _to_numpy(m.image)
         lo = min([t0, *(s.t0_us for s in spans), *(s.t_us for s in slots)])
         hi = max([t1, *(s.t1_us for s in spans), *(s.t_us for s in slots)])
-        step = StepTrace(step_no, phase, n_tokens, lo, hi, spans, slots, quest, masks, metrics, self.device)
+        step = StepTrace(step_no, phase, n_tokens, lo, hi, spans, slots, quest, masks, metrics, self.device, detailed)
         self.steps.append(step)
         self.last = step
         if self.on_step is not None:
@@ -345,21 +319,17 @@ class TraceRecorder(Recorder):
 
         last = rel(end)
         new_spans, new_slots = [], []
-        for lane, name, layer, nbytes, slot, args, e0, e1, pooled in pending:
+        for lane, name, layer, nbytes, slot, args, e0, e1 in pending:
             try:
                 new_spans.append(Span(lane, name, rel(e0), rel(e1), layer, nbytes, slot, args))
             except RuntimeError:   # an event that was never recorded: drop the span
                 pass
-            if pooled:
-                self._pool += (e0, e1)
-        for ev, pooled, slot, layer, state, tokens, capacity in pending_slots:
+        for ev, slot, layer, state, tokens, capacity in pending_slots:
             try:
                 new_slots.append(SlotState(rel(ev), slot, layer, state, tokens, capacity))
             except RuntimeError:
                 pass
-            if pooled:
-                self._pool.append(ev)
-        self._pool += (start, end)
+        self._pool.append(end)   # (start is a mark: owned)
         # the sync returned when the last GPU work ended: the latest event of any stream sits at t_end
         last = max([last, *(s.t1_us for s in new_spans), *(s.t_us for s in new_slots)])
         t_start = t_end - last

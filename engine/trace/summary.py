@@ -2,6 +2,8 @@
 
     s = summarize(step)                      # one step, a list of steps, or a list of spans
     s = summarize(rec.steps, t0=..., t1=...)  # a time window
+    (steps recorded without a timeline, `StepTrace.detailed` False, are skipped: the window is then the detailed
+    steps' own time inside [t0, t1])
     s.busy_fraction["h2d"], s.overlap_fraction, s.exposed_copy_us, s.gbps["h2d"]
 
 All figures use interval unions (sort + merge, O(n log n)), so nested or overlapping spans of one lane (two
@@ -93,16 +95,20 @@ def summarize(trace: StepTrace | Iterable[StepTrace] | Iterable[Span], t0: float
         trace = [trace]
     spans: list[Span] = []
     lo, hi = float("inf"), float("-inf")
+    detailed, gaps = [], False       # steps without a timeline (TraceRecorder's detail) are left out of the window
     for item in trace:
         if isinstance(item, StepTrace):
+            if not item.detailed:
+                gaps = True
+                continue
             spans += item.spans
-            lo, hi = min(lo, item.t0_us), max(hi, item.t1_us)
+            detailed.append((item.t0_us, item.t1_us))
         else:
             spans.append(item)
-            lo, hi = min(lo, item.t0_us), max(hi, item.t1_us)
+        lo, hi = min(lo, item.t0_us), max(hi, item.t1_us)
     t0 = (lo if lo <= hi else 0.0) if t0 is None else t0
     t1 = (hi if lo <= hi else 0.0) if t1 is None else t1
-    window = t1 - t0
+    window = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in detailed) if gaps else t1 - t0
 
     by_lane: dict[str, list[Span]] = {lane: [] for lane in LANES}
     for s in spans:

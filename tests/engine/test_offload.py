@@ -8,7 +8,7 @@ from engine.errors import ConfigError, OutOfMemoryError
 from engine.offload import plan_residency
 from engine.offload.offload_engine import block_runs
 from engine.ops.attention import attention_lse, causal_attention, lse_output, merge_lse
-from engine.trace import TraceRecorder
+from engine.trace import TraceRecorder, summarize
 from engine.trace.events import COMPUTE, H2D
 
 BS = 16
@@ -231,3 +231,31 @@ def test_quest_in_chunked_mode_streams_its_pages_and_answers_like_full_with_room
     assert max(tight_bytes) <= 2 * 2 * per_block     # per layer: one pack of chosen pages + the newest block
     assert min(full_bytes) >= 2 * 9 * per_block      # full streams all 9 earlier blocks of both layers
     assert tight.stats.policy_stats["selections"] > 0 and any(s.quest for s in rec.steps)
+
+
+@pytest.mark.parametrize("hz,detailed_decodes", [(1e-9, 0), (1e9, 4)])
+def test_the_live_detail_rate_keeps_the_timeline_of_only_some_decode_steps(default_model_dir, prompts, hz,
+                                                                          detailed_decodes):
+    """The app records a decode step's per-layer timeline at its views' redraw rate: the other steps keep their
+    metrics and host spans but no layer, copy or slot records, and summaries measure over detailed steps only."""
+    llm = _engine(default_model_dir, "layerwise", ring_slots=2)
+    rec = TraceRecorder(detail_hz=hz)   # 1e-9: no decode step after the prefill is detailed; 1e9: every one
+    llm.recorder = rec
+    llm.generate([prompts["partial last block"]], SamplingParams(max_tokens=5, ignore_eos=True))
+    prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
+    assert prefill.detailed and prefill.lane_spans(COMPUTE) and prefill.slots       # prefill always is
+    assert sum(s.detailed for s in decodes) == detailed_decodes == len(decodes) * (hz > 1)
+    for step in decodes:
+        layers = [s for s in step.lane_spans(COMPUTE) if s.name.startswith("layer ")]
+        if step.detailed:
+            assert len(layers) == llm.args.num_layers and step.slots and step.lane_spans(H2D)
+        else:
+            assert not layers and not step.slots and not step.lane_spans(H2D)
+            assert step.metrics["bytes_h2d"] > 0 and step.t1_us > step.t0_us   # what it did is still there
+            assert [s.name for s in step.spans] == ["sample"]
+    steps = list(rec.steps)
+    if detailed_decodes:                         # every step detailed: the window is the steps' extent
+        assert summarize(steps).window_us == pytest.approx(steps[-1].t1_us - steps[0].t0_us)
+    else:                                        # gaps: only the detailed steps' own time
+        assert summarize(steps).window_us == pytest.approx(sum(s.dur_us for s in steps if s.detailed))
+    llm.close()

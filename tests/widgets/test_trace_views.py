@@ -90,6 +90,27 @@ def test_timeline_summary_and_labels_follow_the_visible_range(qtbot, layerwise_s
     assert "layer 3" in view.visible_labels()
 
 
+def test_timeline_says_when_it_shows_some_steps_only(qtbot, default_model_dir):
+    """At the app's detail rate a fast decode keeps the timeline of some steps: the view says how many, and its
+    busy figures are over those steps' time, not the gaps between them."""
+    from engine import LLM, SamplingParams
+    from engine.trace import TraceRecorder
+
+    llm = LLM(str(default_model_dir), device="cpu", mode="layerwise", kv_block_size=16, max_model_len=512,
+              torch_threads=1, ring_slots=2)
+    llm.recorder = rec = TraceRecorder(detail_hz=1e-9)   # no decode step after the prefill gets a timeline
+    llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.close()
+    steps = [s for s in rec.steps if s.phase in ("prefill", "decode")]
+    view = _shown(qtbot, TimelineView())
+    view.set_steps(steps)
+    view.fit()
+    assert f"timeline of 1 of {len(steps)} steps" in view.summary_label.text()
+    sm = view.summary                                    # busy shares are of the prefill's time alone
+    assert sm.busy_us["compute"] / sm.busy_fraction["compute"] == pytest.approx(steps[0].dur_us, rel=1e-6)
+    assert view.bar_count("compute") == len(steps[0].lane_spans("compute"))   # the prefill's layers alone
+
+
 def test_hovering_a_span_names_its_layer(qtbot, layerwise_steps):
     view = _shown(qtbot, TimelineView())
     view.set_steps(layerwise_steps)
