@@ -15,7 +15,7 @@ from functools import partial
 from typing import Callable
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QWidget
+from PySide6.QtWidgets import QDockWidget, QFrame, QMainWindow, QScrollArea, QWidget
 
 from widgets.document_panel import DocumentPanel
 from widgets.mask_view import MaskView
@@ -47,6 +47,8 @@ class ViewSpec:
     below / right_of / tab_with: at most one; the name of a view listed BEFORE this one: the dock is split off
         under it, beside it on the right, or put in a tab over it (the first dock of a tab group stays in front).
     width / height: the dock's starting size in pixels (resizeDocks), if it needs one.
+    scroll: the widget sits in a scroll area that scrolls up and down: a tall form then does not set the window's
+        minimum height (the window fits a 1280 x 800 screen, with room for the views below).
     """
 
     name: str
@@ -61,6 +63,7 @@ class ViewSpec:
     tab_with: str | None = None
     width: int | None = None
     height: int | None = None
+    scroll: bool = False
 
     def __post_init__(self) -> None:
         if sum(p is not None for p in (self.below, self.right_of, self.tab_with)) > 1:
@@ -71,10 +74,10 @@ class ViewSpec:
 
 VIEWS: tuple[ViewSpec, ...] = (
     ViewSpec("document", "Document", LEFT, DocumentPanel, attr="document_panel", width=380),
-    ViewSpec("policy", "Policy", RIGHT, PolicyPanel, attr="policy_panel", width=330),
+    ViewSpec("policy", "Policy", RIGHT, PolicyPanel, attr="policy_panel", width=330, scroll=True),
     ViewSpec("metrics", "Metrics", BOTTOM, MetricsStrip, export=True, height=50),   # fed stats by the window
     ViewSpec("timeline", "Timeline", BOTTOM, TimelineView, telemetry=True, export=True, below="metrics",
-             width=700, height=300),
+             width=700, height=210),        # at 1400 x 900 the policy form above needs no scrolling
     ViewSpec("ring", "Ring buffer", BOTTOM, RingView, telemetry=True, export=True, right_of="timeline", width=420),
     ViewSpec("quest", "Quest", BOTTOM, QuestView, telemetry=True, export=True, tab_with="ring"),
     ViewSpec("masks", "Masks", BOTTOM, partial(MaskView, threaded=True),    # binned off the GUI thread
@@ -94,7 +97,7 @@ def build_docks(win: QMainWindow, specs: tuple[ViewSpec, ...]) -> None:
         setattr(win, spec.attr, widget)
         dock = win.docks[spec.name] = QDockWidget(spec.title, win)
         dock.setObjectName(f"dock_{spec.name}")     # saveState/restoreState find docks by name
-        dock.setWidget(widget)
+        dock.setWidget(_scrolled(widget) if spec.scroll else widget)
         win.addDockWidget(spec.area, dock)
     by_name = {spec.name: spec for spec in specs}
     tab_groups = set()                               # the first view of each tab group
@@ -116,3 +119,12 @@ def build_docks(win: QMainWindow, specs: tuple[ViewSpec, ...]) -> None:
         sized = [spec for spec in specs if getattr(spec, size) is not None]
         if sized:
             win.resizeDocks([win.docks[s.name] for s in sized], [getattr(s, size) for s in sized], orientation)
+
+
+def _scrolled(widget: QWidget) -> QScrollArea:
+    """`widget` in a frameless scroll area as wide as the widget needs (it scrolls up and down only)."""
+    area = QScrollArea(frameShape=QFrame.Shape.NoFrame, widgetResizable=True)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    area.setWidget(widget)
+    area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
+    return area

@@ -4,9 +4,11 @@ One uint8 `ImageItem` (fixed levels, a lookup table from the background to the m
 positions (top to bottom), columns = key positions, binned to at most 256 x 256 token ranges (widgets/
 mask_pattern.py). A cell's colour is the share of its causal pairs that were computed (any computed pair shows at
 least LOW, so a lone vertical line stays visible); the upper triangle is never computed and stays empty, and so do
-the rows of prompt tokens that came from the prefix cache. One query head, or the mean of the heads. Below the
-mask, a small layers × heads grid at its right gives each head's recorded density (click a cell to show that layer and head).
-The newest prefill with masks is shown; a chooser goes back to earlier ones.
+the rows of prompt tokens that came from the prefix cache. One query head, or the mean of the heads. At the
+mask's right, beyond a splitter, a small layers × heads grid gives each head's recorded density (click a cell to
+show that layer and head); it keeps the room its axes and cells need, so it always fits in the view (the window's
+minimum size counts it, and the caption's wrapped lines). The newest prefill with masks is shown; a chooser goes
+back to earlier ones.
 
 Binning a mask takes ~15 ms per head (the mean of the heads: all of them), so with `threaded=True` (the app) it
 runs on a background thread: the view asks for the cells it shows, keeps drawing the previous picture meanwhile
@@ -33,6 +35,7 @@ MASK_COLOR = KIND_COLORS["attention"]
 MAX_PREFILLS = 8     # masks of a long prompt are large (MInference: ~7K ints per head and layer)
 MEAN_HEADS = -1
 LOW = 0.25           # a cell with any computed pair shows at least this much colour
+GRID_MIN_W, GRID_MIN_H = 160, 120   # the density grid: room for its axes and cells of a few pixels
 
 
 def _pct(x: float) -> str:
@@ -74,12 +77,13 @@ class MaskView(HeatmapView):
                                                                    # a flat dock would shrink a square mask
         self.grid = pg.PlotWidget()            # density per head: layers (x) × heads (y, the first on top)
         self.grid.hideButtons()
-        self.grid.setMinimumWidth(160)
+        self.side_min = (GRID_MIN_W, GRID_MIN_H)
         self.grid.setMouseEnabled(x=False, y=False)
         grid_item = self.grid.getPlotItem()
         grid_item.setLabel("left", "head")
         grid_item.setLabel("bottom", "layer")
         grid_item.setTitle("density per head", size="9pt")
+        grid_item.layout.setContentsMargins(1, 1, 8, 1)   # the last layer's column and label clear the edge
         grid_item.getViewBox().invertY(True)
         self.grid_img = pg.ImageItem(axisOrder="row-major")
         self.grid_img.setLevels([0, 255])
@@ -272,6 +276,7 @@ class MaskView(HeatmapView):
             self._image, self._fractions = np.zeros((0, 0), dtype=np.uint8), np.zeros((0, 0))
             self.img.clear()
             self.caption.setText("")
+            self._fit_caption()
             self._draw_grid()
             self._stack.setCurrentWidget(self.hint_label)
             return
@@ -282,6 +287,7 @@ class MaskView(HeatmapView):
         cells = self._cells(p, self.layer(), self.head())
         if cells is None:                                   # being binned: the previous picture stays meanwhile
             self.caption.setText(self._caption(p) + " · binning…")
+            self._fit_caption()
             return
         kept, causal = cells
         self._fractions = np.divide(kept, causal, out=np.zeros_like(kept, dtype=float), where=causal > 0)
@@ -291,6 +297,7 @@ class MaskView(HeatmapView):
         self.img.setRect(QRectF(0, 0, p.n, p.n))
         self.viewbox.setRange(xRange=(0, p.n), yRange=(0, p.n), padding=0)
         self.caption.setText(self._caption(p))
+        self._fit_caption()
 
     def _caption(self, p: PrefillMasks) -> str:
         layer, head = self.layer(), self.head()
@@ -314,6 +321,7 @@ class MaskView(HeatmapView):
         if p is None or not grid.size:
             self.grid_img.clear()
             self.grid_mark.setData([], [])
+            self._fit_side()
             return
         self.grid_img.setImage(np.round(np.nan_to_num(grid.T) * 255).astype(np.uint8), autoLevels=False,
                                levels=(0, 255))
@@ -326,6 +334,7 @@ class MaskView(HeatmapView):
         x = p.layers.index(self.layer()) if self.layer() in p.layers else 0
         y0, y1 = (-0.5, p.n_heads - 0.5) if self.head() == MEAN_HEADS else (self.head() - 0.5, self.head() + 0.5)
         self.grid_mark.setData([x - 0.5, x + 0.5, x + 0.5, x - 0.5, x - 0.5], [y0, y0, y1, y1, y0])
+        self._fit_side()
 
     def _grid_cell(self, scene_pos) -> tuple[int, int] | None:
         """(layer, head) of the grid cell under a scene position, or None."""

@@ -2,6 +2,7 @@
 import numpy as np
 import pyqtgraph as pg
 import pytest
+from PySide6.QtCore import QRectF, QSize
 
 from engine.trace.events import PREFILL
 from widgets.export import save_png
@@ -255,3 +256,46 @@ def test_png_export(qtbot, xa_steps, tmp_path):
         assert path.stat().st_size > 0
         path.unlink()
     assert [a.text() for a in view.export_actions] == ["Export PNG…", "Export SVG…"]
+
+
+def _in_window(win, widget, rect=None):
+    """`rect` of `widget` (default: all of it) in the window's coordinates."""
+    from PySide6.QtCore import QRect
+    rect = widget.rect() if rect is None else rect
+    return QRect(widget.mapTo(win, rect.topLeft()), rect.size())
+
+
+@pytest.mark.parametrize("size", ["minimum", (1280, 800)])
+def test_the_density_grid_fits_in_the_window(qtbot, tmp_path, mi_steps, size):
+    """It used to run past the window's right edge: the grid's plot kept a width it had needed before its tick
+    labels were set, wider than the widget showing it. Here the whole grid, every layer and head, lies inside
+    the Masks dock, which lies inside the window, at the window's minimum size and at 1280 x 800."""
+    from app.main_window import MainWindow
+
+    win = MainWindow({"settings_path": str(tmp_path / "kvscope.ini"), "restore": False, "autostart": False})
+    qtbot.addWidget(win)
+    win.show()
+    qtbot.waitExposed(win)
+    win.docks["masks"].raise_()
+    win.masks.set_steps(mi_steps)
+    for _ in range(3):              # the minimum follows the caption's wrapped lines: let the layout settle
+        win.resize(win.minimumSizeHint() if size == "minimum" else QSize(*size))
+        qtbot.wait(50)
+    expected = win.minimumSizeHint() if size == "minimum" else QSize(*size)
+    assert win.size() == expected and expected.width() <= 1280 and expected.height() <= 800
+    view, grid = win.masks, win.masks.grid
+    assert not view.showing_hint() and grid.isVisible() and view.plot.isVisible()
+
+    window = win.rect()
+    for outer, inner in [(win, win.docks["masks"]), (win.docks["masks"], view), (view, grid)]:
+        assert _in_window(win, outer).contains(_in_window(win, inner)), (outer, inner)
+    item = grid.getPlotItem()                                              # title, axes and cells
+    assert QRectF(grid.rect()).contains(item.sceneBoundingRect())
+    vb = item.getViewBox()
+    cells = _in_window(win, grid, grid.mapFromScene(vb.sceneBoundingRect()).boundingRect())
+    assert window.contains(cells) and _in_window(win, view).contains(cells)
+    (x0, x1), (y0, y1) = vb.viewRange()
+    layers, heads = view.head_densities().shape
+    assert (x0, x1, y0, y1) == (-0.5, layers - 0.5, -0.5, heads - 0.5)    # every layer and head in view
+    assert cells.width() / layers >= 3 and cells.height() / heads >= 3     # each cell a few pixels
+    assert _in_window(win, view.plot).right() < cells.left()               # beside the mask, not over it
