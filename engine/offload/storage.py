@@ -12,10 +12,12 @@ of a complete, fsynced temporary file, so a crash leaves no page or a whole one.
 checksum before it touches its output and deletes a file that fails (it is written again later).
 
 The size limit covers the whole store (all namespaces): after each write the least recently accessed pages go.
-Access time = file mtime (refreshed by each read); in memory an OrderedDict in access order. I/O problems never
-raise: an unusable root disables the store at open, a failed write (disk full, ...) stops writing for the rest
-of the run; each warns once. StoreWriter writes on a background thread and acknowledges every page, so the
-engine knows when the host block it keeps unchanged for the write may be reused.
+Access time = file mtime (refreshed by each read); in memory an OrderedDict in access order. Other processes may
+share the store (two app instances): after each 1/16 of the limit written, the index learns the pages they wrote
+and forgets those they deleted, so the limit holds for all together. I/O problems never raise: an unusable root
+disables the store at open, a failed write (disk full, ...) stops writing for the rest of the run; each warns
+once. StoreWriter writes on a background thread and acknowledges every page, so the engine knows when the host
+block it keeps unchanged for the write may be reused.
 """
 from __future__ import annotations
 
@@ -132,7 +134,7 @@ class KVStore:
         self.enabled = False
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # page path -> file size, least recently used first
-        self._bytes = 0
+        self._bytes = self._unlearned = 0                    # _unlearned: bytes written since the disk was listed
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK):
@@ -142,11 +144,10 @@ class KVStore:
                           "run", stacklevel=2)
             return
         self.enabled = True
-        self._scan()
-        with self._lock:
-            self._evict()  # the limit may have been lowered since the last run
+        self._learn()  # every page file in the store, oldest access first (the limit may have been lowered)
 
-    def _scan(self) -> None:
+    def _listing(self) -> list[tuple[int, str, int]]:
+        """(mtime, path, size) of every page file, oldest first; dead writers' leftovers are deleted."""
         pages = []
         for path in self.root.glob("*/*/*"):
             with contextlib.suppress(OSError):
@@ -155,9 +156,23 @@ class KVStore:
                     pages.append((st.st_mtime_ns, str(path), st.st_size))
                 elif path.name.endswith(_TMP) and _leftover(path.name):
                     path.unlink()  # from a process killed mid-write
-        for _, path, size in sorted(pages):
-            self._index[path] = size
-            self._bytes += size
+        return sorted(pages)
+
+    def _learn(self) -> None:
+        """Sync the index with the disk, where other processes write and evict too: pages not in it are added as
+        the most recently used (written since the last listing, or all of them at open), pages gone are dropped;
+        then the least recently used go until the store fits its limit."""
+        listing = self._listing()
+        on_disk = {path for _, path, _ in listing}
+        with self._lock:
+            for path in [p for p in self._index if p not in on_disk and not os.path.exists(p)]:
+                self._bytes -= self._index.pop(path)
+            for _, path, size in listing:
+                if path not in self._index:
+                    self._index[path] = size
+                    self._bytes += size
+            self._unlearned = 0
+            self._evict()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.dir, key[:2], key + _PAGE)
@@ -273,7 +288,12 @@ class KVStore:
         with self._lock:
             self._bytes += size - self._index.pop(path, 0)
             self._index[path] = size
-            self._evict()
+            self._unlearned += size
+            learn = self._unlearned * 16 >= self.limit_bytes
+            if not learn:
+                self._evict()
+        if learn:  # other processes may have written too
+            self._learn()
         return True
 
     def usage(self) -> tuple[int, int]:
