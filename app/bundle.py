@@ -7,6 +7,7 @@
 Contents: window.png (the whole window), one PNG per view, trace.json (the last turn as Chrome trace events, for
 Perfetto), chat.md and chat.json (the conversation with its stats and config), config.json (engine, model,
 document, sampling). A part that cannot be written is listed under "problems" in config.json; the rest is kept.
+A folder that cannot be written is refused before anything is drawn or created (ExportError, one line).
 """
 from __future__ import annotations
 
@@ -17,17 +18,22 @@ from pathlib import Path
 from PySide6.QtGui import QPixmap
 from PySide6.QtWidgets import QWidget
 
+from engine.paths import output_file_problem, output_folder_problem
 from engine.trace import write_chrome_trace
 from widgets.chat_view import ChatView
-from widgets.export import save_png
+from widgets.export import save_png, show_export_error
+
+
+class ExportError(OSError):
+    """A bundle that cannot be written, in one line for the user."""
 
 
 def bundle_folder(folder: Path) -> Path:
     """`folder` itself when it is new or empty, else a new subfolder named by the time ("kvscope-20250101-120000",
-    with "-2", "-3" ... if that exists too). Created; nothing in it is ever overwritten."""
+    with "-2", "-3" ... if that exists too). Created; nothing in it is ever overwritten. ExportError (one line)
+    when files cannot be written there."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is a file: choose a folder for the bundle")
+    check_bundle_folder(folder)
     if folder.is_dir() and any(folder.iterdir()):
         base = folder / time.strftime("kvscope-%Y%m%d-%H%M%S")
         candidate, n = base, 1
@@ -37,6 +43,12 @@ def bundle_folder(folder: Path) -> Path:
         folder = candidate
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def check_bundle_folder(folder: Path) -> None:
+    """ExportError when the bundle cannot be written into `folder`; nothing is created."""
+    if (problem := output_folder_problem(folder)) is not None:
+        raise ExportError(f"Cannot export the bundle to {folder}: {problem}")
 
 
 def write_bundle(folder: Path, window: QPixmap, views: dict[str, QWidget], chat: ChatView, steps: list | None,
@@ -76,29 +88,53 @@ def write_bundle(folder: Path, window: QPixmap, views: dict[str, QWidget], chat:
         return path
 
     attempt("config.json", save_config)
+    if not written:   # the folder took nothing (it was checked, but places change): say so, never "written"
+        raise ExportError(f"Cannot export the bundle to {folder}: {problems[0]}")
     return written
 
 
 def export_chat_dialog(win) -> None:
     """File → Export chat: Markdown or JSON, where the user says (the dialog asks before overwriting)."""
-    from PySide6.QtWidgets import QFileDialog, QMessageBox
+    from PySide6.QtWidgets import QFileDialog
     path, _ = QFileDialog.getSaveFileName(win, "Export chat", str(Path.home() / "chat.md"),
                                           "Markdown (*.md);;JSON (*.json)")
     if path:
+        export_chat(win, Path(path))
+
+
+def export_chat(win, path: Path) -> bool:
+    """Save the chat at `path` (checked first); a failure is one message and the chat stays as it is."""
+    problem = output_file_problem(path, "chat.md")
+    if problem is None:
         try:
             win.chat.save(path, win.describe())
             win.status.showMessage(f"chat saved to {path}", 5000)
-        except (OSError, ValueError) as e:
-            QMessageBox.warning(win, "Export failed", str(e))
+            return True
+        except ValueError as e:          # an unknown suffix: the message says which to use
+            problem = str(e)
+        except OSError as e:
+            problem = f"{e.strerror or e}; choose another place"
+    show_export_error(win, f"Cannot export the chat to {path}: {problem}")
+    return False
 
 
 def export_bundle_dialog(win) -> None:
     """File → Export bundle: into the folder the user picks (a fresh subfolder when it is not empty)."""
-    from PySide6.QtWidgets import QFileDialog, QMessageBox
+    from PySide6.QtWidgets import QFileDialog
     folder = QFileDialog.getExistingDirectory(win, "Export bundle into a folder", str(Path.home()))
     if folder:
-        try:
-            out = win.export_bundle(Path(folder))
-            win.status.showMessage(f"bundle written to {out}", 8000)
-        except OSError as e:
-            QMessageBox.warning(win, "Export failed", str(e))
+        export_bundle(win, Path(folder))
+
+
+def export_bundle(win, folder: Path) -> Path | None:
+    """Write the bundle into `folder`; a folder that cannot be written is one message, checked first."""
+    try:
+        out = win.export_bundle(folder)
+    except ExportError as e:
+        show_export_error(win, str(e))
+        return None
+    except OSError as e:                 # the folder changed between the check and the writing
+        show_export_error(win, f"Cannot export the bundle to {folder}: {e.strerror or e}")
+        return None
+    win.status.showMessage(f"bundle written to {out}", 8000)
+    return out

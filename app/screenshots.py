@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for each step")
     p.add_argument("--size", default="1600x1000", help="window size WxH")
     args = p.parse_args(argv)
+    from engine.paths import output_folder_problem
+    if (problem := output_folder_problem(args.outdir)) is not None:   # before the model loads
+        print(f"error: {args.outdir}: {problem}", file=sys.stderr)
+        return 2
 
     from PySide6.QtWidgets import QApplication
 

@@ -53,6 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    from engine.paths import output_file_problem
+    if args.json and (problem := output_file_problem(args.json, "bench.json")):   # before hours of work
+        print(f"error: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
 
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     lengths = [int(x) for x in (args.lengths or ("32768" if on_gpu else "2048,6144")).split(",")]

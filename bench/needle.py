@@ -110,6 +110,10 @@ def main(argv=None) -> int:
     n.add_argument("--block-size", type=int, default=256)
     n.add_argument("--json", default=None, help="also write every cell (answer included) to this file")
     args = p.parse_args(argv)
+    from engine.paths import output_file_problem
+    if args.json and (problem := output_file_problem(args.json, "needle.json")):   # before hours of work
+        print(f"error: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
     from engine import LLM
     from engine.sparse import parse_policy_spec
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -5,7 +5,8 @@
     add_export_actions(widget, "timeline")      # "Export PNG…" / "Export SVG…" in the widget's context menu
 
 The dialog is a `QFileDialog` in save mode: it asks before it overwrites a file (Qt's default, kept), and it adds
-the suffix itself, so that question also covers a name typed without ".png".
+the suffix itself, so that question also covers a name typed without ".png". A path that cannot be written is
+refused before anything is drawn, with one message (`show_export_error`, which does not block the event loop).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from PySide6.QtCore import QPoint, QRect, QSize, Qt
 from PySide6.QtGui import QAction, QPainter
 from PySide6.QtSvg import QSvgGenerator
 from PySide6.QtWidgets import QFileDialog, QGraphicsView, QMessageBox, QWidget
+
+from engine.paths import output_file_problem
 
 FORMATS = {"png": "PNG image (*.png)", "svg": "SVG drawing (*.svg)"}
 _last_dir: str = ""   # the folder of the last export, offered by the next dialog
@@ -124,13 +127,29 @@ def ask_save_path(parent: QWidget | None, fmt: str, name: str = "view") -> Path 
 def export_with_dialog(widget: QWidget, fmt: str, name: str = "view") -> Path | None:
     """Ask for a path, save `widget` there, and tell the user if it failed; returns the path written (or None)."""
     path = ask_save_path(widget.window(), fmt, name)
-    if path is None:
-        return None
+    return None if path is None else export_to(widget, fmt, path)
+
+
+def export_to(widget: QWidget, fmt: str, path: Path) -> Path | None:
+    """Save `widget` as `fmt` at `path`, checked first; a failure is one message, and None."""
+    problem = output_file_problem(path, f"view.{fmt}")
     try:
-        return (save_png if fmt == "png" else save_svg)(widget, path)
+        if problem is None:
+            return (save_png if fmt == "png" else save_svg)(widget, path)
     except OSError as e:
-        QMessageBox.warning(widget.window(), "Export failed", str(e))
-        return None
+        problem = f"{e.strerror or e}; choose another place"
+    show_export_error(widget.window(), f"Cannot export {path}: {problem}")
+    return None
+
+
+def show_export_error(parent: QWidget | None, message: str) -> QMessageBox:
+    """One warning box, "Export failed", with `message` (one line). It does not block: what the user was
+    doing stays as it was."""
+    box = QMessageBox(QMessageBox.Icon.Warning, "Export failed", message, QMessageBox.StandardButton.Ok, parent)
+    box.setObjectName("export_error")
+    box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    box.open()
+    return box
 
 
 def _menus(widget: QWidget) -> list:

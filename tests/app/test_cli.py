@@ -274,12 +274,37 @@ def test_offload_modes_exit_cleanly_every_time(default_model_dir, tmp_path, mode
         assert f"{mode}: KV moved host->device" in proc.stderr
 
 
-@pytest.mark.parametrize("where", ["/proc/nope/t.json", "{tmp}"])
-def test_an_unwritable_trace_path_is_refused_before_any_work(capsys, tmp_path, where):
+BAD_OUTPUTS = [("/proc/nope/t.json", "its folder /proc/nope does not exist"),   # no such folder
+               ("/proc/self/t.json", "cannot create a file in /proc/self"),    # a folder nobody can write, root too
+               ("{tmp}/a-file/t.json", "a-file is a file, not a folder"),
+               ("{tmp}", "it is a folder; give a file name, e.g. {tmp}/trace.json")]
+
+
+@pytest.mark.parametrize("where, why", BAD_OUTPUTS)
+def test_an_unwritable_trace_path_is_refused_before_any_work(capsys, tmp_path, where, why):
     """The answer used to be computed and then lost when the trace could not be written."""
-    code, out, err = run_cli(capsys, "--trace", where.format(tmp=tmp_path), "--ask", "hi")
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "--trace" in err and ("does not exist" in err or "is a folder" in err)
+    (tmp_path / "a-file").write_text("not a folder")
+    where, why = where.format(tmp=tmp_path), why.format(tmp=tmp_path)
+    code, out, err = run_cli(capsys, "--trace", where, "--ask", "hi")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1      # nothing loaded, one line
+    assert err.startswith(f"error: --trace {where}: ") and why in err
+    assert "choose a path in a folder you can write to" in err or "give a file name" in err
+
+
+@pytest.mark.parametrize("command, example", [
+    (["-m", "app.screenshots", "{out}/shots"], None),                # a folder of PNGs
+    (["-m", "bench", "--json", "{out}/bench.json"], "bench.json"),
+    (["-m", "bench.needle", "needle", "--json", "{out}/needle.json"], "needle.json")])
+def test_every_command_line_output_path_is_checked_before_any_work(tmp_path, command, example):
+    """The other tools that write where the user says refuse a bad place at once: one line, exit 2."""
+    (tmp_path / "a-file").write_text("not a folder")
+    for out, why in [("/proc/self", "cannot create a file in /proc/self"),
+                     (str(tmp_path / "a-file"), "a-file is a file, not a folder")]:
+        argv = [a.format(out=out) for a in command]
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.count("\n") == 1 and why in proc.stderr and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith(f"error: {'--json ' if example else ''}{argv[-1]}: ")
 
 
 def test_a_kv_store_that_is_a_file_is_one_warning_line_and_the_answer_comes(default_model_dir, tmp_path):
