@@ -216,17 +216,11 @@ def _progress(fraction: float, message: str) -> None:
     print(f"[{fraction * 100:3.0f}%] {message}", file=sys.stderr, flush=True)
 
 
-def check_output_path(path: Path, what: str) -> None:
-    """Before any work: `path` can be written (its folder exists and is writable, it is not a folder), else one
-    ConfigError line naming the path and the fix."""
-    import os
-    from engine.errors import ConfigError
-    folder = path.expanduser().resolve().parent
-    if path.expanduser().is_dir():
-        raise ConfigError(f"{what} {path} is a folder: give a file name, e.g. {path / 'trace.json'}")
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        why = "does not exist" if not folder.is_dir() else "is not writable"
-        raise ConfigError(f"{what} {path}: its folder {folder} {why}; choose a path in a folder you can write to")
+def check_output_path(path: Path, what: str, example: str = "trace.json") -> None:
+    """Before any work: `path` can be written, else one ConfigError line naming the path and the fix."""
+    from engine.paths import output_file_problem
+    if (problem := output_file_problem(path, example)) is not None:
+        raise ConfigError(f"{what} {path}: {problem}")
 
 
 def _chat(args) -> int:
@@ -257,6 +251,9 @@ def _chat(args) -> int:
              prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=policy,
              policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
              kv_store_gb=args.kv_store_gb) as llm:     # closed at the end: threads joined, last writes done
+        if llm.device.type == "cuda":                 # compiled and captured before the question, not during it
+            _progress(1.0, "warming up: compiling kernels, capturing CUDA graphs")
+            llm.warm_up()
         messages = document_messages(document.text, question, document.name, args.system)
         answer = []
         stats = None

@@ -1,6 +1,6 @@
 """kvscope's main window: chat with a document in the middle, the engine's views in dock widgets around it.
 
-The window owns one `EngineWorker` on one long-lived `QThread` (DESIGN.md §3). Requests go to the worker
+The window owns one `EngineWorker` on one long-lived `EngineThread` (a QThread) (DESIGN.md §3). Requests go to the worker
 through the window's own signals, connected queued to the worker's slots, so they run in the order they were
 made (a config change reloads the model before the question that follows it). Answers come back as signals;
 engine steps are drained by the telemetry pump (app/telemetry.py: ~30 Hz, less often under its GUI budget) and
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QSettings, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QWidget
 
 from app.bundle import bundle_folder, write_bundle
@@ -33,7 +33,7 @@ from app.settings import restore_settings, save_settings
 from app.status import StatusBar
 from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.views import VIEWS, ViewSpec, build_docks
-from app.worker import EngineWorker
+from app.worker import EngineThread, EngineWorker
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES
 from widgets.policy_panel import POLICIES
@@ -129,7 +129,7 @@ class MainWindow(QMainWindow):
         self.policy_panel.model_folder_chosen.connect(self._on_model_folder)
 
     def _start_worker(self) -> None:
-        self.thread = QThread(self)
+        self.thread = EngineThread(self)
         self.thread.setObjectName("kvscope-engine")
         self.worker = EngineWorker()
         self.worker.moveToThread(self.thread)
@@ -314,8 +314,9 @@ class MainWindow(QMainWindow):
         self.quest_highlight.feed(steps)
         self.metrics.update_from_steps(recent)
         offload = self.model_info.get("mode", "gpu") != "gpu"
-        for step in reversed(steps):
-            if step.metrics:
+        cuda = str(self.model_info.get("device", "cpu")).startswith("cuda")
+        for step in reversed(steps):   # the engine reads GPU memory in detailed steps only (engine/llm.py)
+            if step.metrics and (not cuda or "gpu_mem_allocated" in step.metrics):
                 self.status.set_memory(step.metrics, offload)
                 break
 
@@ -330,7 +331,8 @@ class MainWindow(QMainWindow):
     def export_bundle(self, folder: Path) -> Path:
         """Write window.png, a PNG of each view registered with export=True (timeline, ring, quest, masks,
         metrics) and chat.png, trace.json (the last turn), chat.md, chat.json and config.json into `folder`, or
-        into a new timestamped subfolder when `folder` is not empty; returns it."""
+        into a new timestamped subfolder when `folder` is not empty; returns it. A folder that cannot be written
+        raises app.bundle.ExportError (an OSError, one line) before anything is drawn."""
         out = bundle_folder(Path(folder))
         steps = None if "ask" in self._pending else list(self.worker.turn_steps)   # never read while it changes
         views = {spec.name: self.views[spec.name] for spec in self.view_specs if spec.export}

@@ -4,6 +4,13 @@ Requests come in as queued signals (connect the window's signals to `load_model`
 results go out as signals. Stop is not a queued request (the worker's event loop is busy while it answers):
 `stop()` sets a thread-safe flag that the engine checks after every layer. Telemetry is not one signal per
 span either: every finished engine step is appended to a bounded deque, which the window drains on a timer.
+
+The worker lives on an `EngineThread`, not a plain QThread. A plain QThread runs each queued slot under a Python
+thread state made for that call and destroyed after it (threading.local values vanish between requests), and
+torch >= 2.6 keeps per-thread state that then dangles: on CUDA the app crashed in the first turn (a segfault in
+torch.cuda.synchronize or an event record, or "double free or corruption") while the CLI, on Python's own main
+thread, ran. EngineThread.run() is Python code that runs the event loop, so the thread keeps one Python thread
+state for its whole life.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.documents import Document, load_document
 from app.prompt import document_messages
@@ -23,6 +30,13 @@ from engine.errors import KVScopeError
 
 def _without_policy(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in ("policy", "policy_params")}
+
+
+class EngineThread(QThread):
+    """The engine's long-lived thread: one Python thread state from start to finish (see the module docstring)."""
+
+    def run(self) -> None:
+        self.exec()
 
 
 class EngineWorker(QObject):
@@ -116,6 +130,13 @@ class EngineWorker(QObject):
         from engine import LLM
         from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
         llm = LLM(progress=self.model_progress.emit, **config)
+        if llm.device.type == "cuda":    # kernels compiled and graphs captured now, not in the user's first turn
+            self.model_progress.emit(1.0, "warming up: compiling kernels, capturing CUDA graphs")
+            try:
+                llm.warm_up()
+            except BaseException:
+                llm.close()
+                raise
         llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append,
                                      detail_hz=LIVE_DETAIL_HZ)
         self.llm, self.engine_config = llm, dict(config)

@@ -126,6 +126,27 @@ class LLM:
         if self.runner is not None:
             self.runner.close()
 
+    def warm_up(self) -> None:
+        """CUDA: compile and capture now what a user's first request would, so it runs at the pace of later ones:
+        two throwaway prompts of different lengths (compiled functions specialise on the first shape and turn
+        dynamic on the second), a few decode steps each (every layer's CUDA graph in each ring buffer), the second
+        traced (gpu mode's traced graphs). Its KV leaves the prefix cache and never reaches the disk tier; nothing
+        is recorded to the engine's recorder. Nothing to do on CPU."""
+        if self.device.type != "cuda":
+            return
+        from engine.trace.recorder import TraceRecorder
+        tier, saved, self.tier = self.tier, self._recorder, None
+        steps = self.config.ring_slots + 2
+        try:
+            for i, rec in enumerate((NULL_RECORDER, TraceRecorder(max_steps=16, device=self.device, nvtx=False))):
+                n = max(1, min((2 + i) * self.config.kv_block_size + 7 * (i + 1), self.max_model_len - steps - 1))
+                self._recorder = rec
+                self.generate([[(101 + 37 * j + i) % self.args.vocab_size for j in range(n)]],
+                              SamplingParams(max_tokens=steps, ignore_eos=True))
+        finally:
+            self._recorder, self.tier = saved, tier
+            self.block_manager.forget_cached()
+
     def __enter__(self) -> "LLM":
         return self
 
@@ -274,7 +295,8 @@ class LLM:
             m["decode_tokens"] = len(seqs)
         if self.tier is not None:
             m.update(self.tier.metrics())
-        m.update(self._memory_metrics())
+        if self._recorder.detail:             # the allocator's stats are a dict of ~100 entries: not every step
+            m.update(self._memory_metrics())
         return m
 
     def cancel(self, seq: Sequence) -> None:

@@ -300,7 +300,7 @@ class ModelRunner:
             return self.model.logits(self.model(ids, pos, self._attend(meta, ctx), ctx))
         g["logits"][:b] = step(QUIET)  # warm-up: compiles the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, self._graph_pool):
+        with torch.cuda.graph(graph, self._graph_pool, capture_error_mode="thread_local"):
             g["logits"][:b] = step(StepContext(recorder=spans) if traced else QUIET)
         self._graph_pool = graph.pool()
         if traced:

@@ -86,7 +86,7 @@ class DecodeGraphs:
             return
         if graph is None:
             graph = self.graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._body(*key)
             self.pool = graph.pool()
         graph.replay()

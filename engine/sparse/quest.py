@@ -240,7 +240,7 @@ class QuestPolicy(SparsePolicy):
             return self._select(layer, fix)
         if graph is None:
             graph = self._graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._select(layer, fix)
             self._pool = graph.pool()
         graph.replay()

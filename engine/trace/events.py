@@ -31,8 +31,9 @@ LOAD = "load"          # model load
 TOKENIZE = "tokenize"
 PHASES = (PREFILL, DECODE, LOAD, TOKENIZE)
 
-# How often a live view wants a decode step's per-layer timeline (about its redraw rate): TraceRecorder(detail_hz=)
-LIVE_DETAIL_HZ = 30.0
+# How often a live view gets a decode step's per-layer timeline: TraceRecorder(detail_hz=). Ten new timelines a
+# second are more than a reader follows; each costs the engine its events (see engine/trace/recorder.py).
+LIVE_DETAIL_HZ = 10.0
 
 
 @dataclass(slots=True)

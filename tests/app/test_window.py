@@ -74,6 +74,12 @@ def window(qapp, doc, tmp_path_factory, default_model_dir):
     assert win.thread.isFinished()
 
 
+def test_the_worker_runs_on_an_engine_thread(window):
+    """One Python thread state for the engine's whole life (tests/app/test_worker.py shows why)."""
+    from app.worker import EngineThread
+    assert type(window.thread) is EngineThread and window.worker.thread() is window.thread
+
+
 def test_eta_from_the_progress_rate():
     eta = EtaEstimator()
     assert eta.update("prefill", 0.1, now=100.0) is None          # the first report only starts the clock

@@ -1,8 +1,11 @@
 """The engine worker on the real engine (the default model, CPU), driven directly on the test's thread: a policy
 change switches the loaded engine's policy instead of rebuilding it, and a bad parameter reaches the user."""
-import pytest
+import threading
 
-from app.worker import EngineWorker
+import pytest
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+
+from app.worker import EngineThread, EngineWorker
 from engine.trace.events import PREFILL
 
 DOC = ("The harbour office keeps a log of every ship that enters the port. " * 40).strip()
@@ -93,3 +96,42 @@ def test_weights_that_fail_to_load_bring_the_previous_engine_back(worker, tmp_pa
     assert worker.llm is not None and worker.engine_config == before and worker.history == history
     worker.signals.errors.clear()
     _ask(worker)
+
+
+class _Probe(QObject):
+    """Records, per queued request, what a thread-local held when it came in (then sets it)."""
+    seen = Signal(object)
+
+    def __init__(self):
+        super().__init__()
+        self.tls = threading.local()
+
+    @Slot(int)
+    def probe(self, i: int) -> None:
+        self.seen.emit(getattr(self.tls, "last", None))
+        self.tls.last = i
+
+
+class _Sender(QObject):
+    go = Signal(int)
+
+
+@pytest.mark.parametrize("thread_class, keeps", [(EngineThread, True), (QThread, False)])
+def test_the_engine_thread_keeps_one_python_thread_state(qtbot, thread_class, keeps):
+    """The engine's thread keeps its Python thread state between requests. A plain QThread makes one per queued
+    call and drops it after (thread-locals vanish); torch >= 2.6 keeps per-thread state that then dangles, and on
+    CUDA the app crashed in its first turn. The window runs its worker on an EngineThread."""
+    thread, probe, sender = thread_class(), _Probe(), _Sender()
+    probe.moveToThread(thread)
+    sender.go.connect(probe.probe, Qt.ConnectionType.QueuedConnection)
+    seen = []
+    probe.seen.connect(seen.append)
+    thread.start()
+    try:
+        for i in range(3):
+            sender.go.emit(i)
+        qtbot.waitUntil(lambda: len(seen) == 3, timeout=5000)
+    finally:
+        thread.quit()
+        thread.wait()
+    assert seen == ([None, 0, 1] if keeps else [None, None, None])

@@ -92,3 +92,23 @@ def test_page_gather_reads_the_pinned_pool_directly():
         for j, p in enumerate(pages[h].tolist()):
             assert torch.equal(buf[j // 4, :, h, j % 4].cpu(), host[p // 4, :, h, p % 4])
     oe.close()
+
+
+@pytest.mark.parametrize("mode", ["gpu", "layerwise"])
+def test_warm_up_captures_at_load_and_leaves_no_trace(mode, prompts, reference):
+    """LLM.warm_up() (the app and the CLI call it at load) captures what the first turn would: gpu mode's traced
+    decode graphs, every layerwise (layer, ring buffer) graph; the answers after it are those of the reference."""
+    with _engine(mode) as llm:
+        llm.warm_up()
+        if mode == "gpu":
+            assert llm.runner.traced_graphs
+        else:
+            captured = {(layer, buf) for layer, buf, v, part in llm.runner.decode_graphs.graphs if v == 0}
+            want = {(layer, llm.runner._buffer(layer)) for layer in range(llm.args.num_layers)}
+            assert want <= captured
+            before = len(llm.runner.decode_graphs.graphs)
+        out = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+        assert out == reference
+        if mode == "layerwise":
+            assert len(llm.runner.decode_graphs.graphs) == before    # the first turns captured nothing new
+        print(f"{mode}: warm-up captured {len(llm.runner.decode_graphs.graphs) if mode != 'gpu' else 'traced'} graphs")

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The app over a CUDA engine, run the way a GPU user runs it, with the figures issue 17 asks for.
+#
+#   bash tools/gpu_app_run.sh OUTDIR
+#
+# On the GPU machine: first stash and unpack ../shared/gpu-kit (its README; it brings Qt, its libraries, a font and
+# the default model), then run this from the project root. On a CUDA workstation with the project installed it runs
+# as it is. It prints: the default model's conversion, the first turn of a fresh process per mode (CLI: time to
+# first token, decode tok/s), then the real window offscreen answering in gpu, layerwise (full and Quest) and gpu +
+# MInference with a screenshot of each, then the app's cost to the engine per mode (tools/app_overhead.py).
+set -uo pipefail
+out=${1:-gpu-run}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 QT_QPA_PLATFORM=${QT_QPA_PLATFORM:-offscreen}
+py=${PYTHON:-python3}
+$py -c "import torch; print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+$py -c "from engine.defaults import ensure_default_model; print('default model:', ensure_default_model())" 2>&1 | tail -1
+echo "== the first turn of a fresh process (CLI, the sample document, 64 tokens), twice per mode"
+for mode in gpu layerwise chunked; do
+  for run in 1 2; do
+    $py main.py chat --mode "$mode" --max-new-tokens 64 --no-kv-store --json 2>/dev/null | $py -c "
+import json, sys; d = json.load(sys.stdin)
+print(f'$mode, process $run: time to first token {d[\"ttft_s\"]:.2f} s, decode {d[\"decode_tok_s\"]:.1f} tok/s')"
+  done
+done
+echo "== the window: four turns with screenshots"
+timeout 600 $py -m app.screenshots "$out" --max-new-tokens 64 --timeout 180 2>&1 | tail -12
+echo "app.screenshots exit: $?"
+echo "== the app's cost to the engine (medians of 3 turns each way)"
+for mode in gpu layerwise; do
+  echo "-- $mode"; timeout 300 $py tools/app_overhead.py --runs 3 --tokens 64 --mode "$mode" 2>&1 | tail -3
+done
