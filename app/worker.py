@@ -14,7 +14,6 @@ state for its whole life.
 """
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections import deque
@@ -111,9 +110,9 @@ class EngineWorker(QObject):
         check_config(**config)                    # a wrong folder or setting is refused while the loaded engine runs
         old, previous, self.llm = self.llm, self.engine_config, None
         if old is not None:                       # freed first: two big models may not fit side by side
-            old.close()                           # (its disk tier's writes finish)
-            del old
-            gc.collect()
+            old.close()                           # (its disk tier's writes finish; it lets go of its model and KV)
+            del old                               # (no gc.collect() here: a collection on this thread destroys
+                                                  # other threads' Qt objects, and PySide can deadlock on that)
         try:
             self._load(config)
         except Exception:

@@ -72,6 +72,7 @@ class LLM:
                 else:
                     load_weights(model, self.model_dir)
             self.runner = make_runner(model, cfg, self.device, self.dtype, self.max_model_len, policy, rec)
+            del model        # the runner holds it (a frame that outlives this call must not: see close())
         except torch.OutOfMemoryError:
             raise OutOfMemoryError(f"{self.model_name} does not fit in {self.device} memory in "
                                    f"{str(self.dtype).removeprefix('torch.')}: use a smaller model or --device cpu") from None
@@ -125,6 +126,9 @@ class LLM:
             self.tier = None
         if self.runner is not None:
             self.runner.close()
+            # its model and KV go now, by reference count: the tokenizer's loading leaves a frame of this object's
+            # __init__ alive in a reference cycle, which only a garbage collection would break
+            self.runner = None
 
     def warm_up(self) -> None:
         """CUDA: compile and capture now what a user's first request would, so it runs at the pace of later ones:

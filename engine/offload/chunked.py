@@ -7,7 +7,11 @@ is offloaded to the host. The loads run ahead across layers: the ring walks one 
 the whole chunk, so the next layer's first blocks load while this layer computes.
 
 Activation memory is bounded by one block, but every chunk re-reads all earlier blocks of every layer:
-prefill moves L * block_bytes * C(C-1)/2 bytes host -> device for C chunks. Decode is the one-token chunk.
+prefill moves L * block_bytes * C(C-1)/2 bytes host -> device for C chunks. Decode is the one-token chunk; there
+the cost is not the bytes but the pieces: one load, one attention and one merge per earlier block and layer (at
+6K tokens and 256-token blocks, 720 a token on the default model: 2 tokens/s on an H100). So a slot holds up to
+DECODE_GROUP_BYTES of one layer's blocks, and a decode step streams each layer's earlier blocks in groups that
+fill a slot: one load, one attention and one merge per group (a whole layer per group at these sizes).
 
 With a load-planning policy (Quest), a decode step streams for each layer what the policy plans: its pages,
 packed per kv head into one-block slots by the page gather (the loads are issued before the layer's query
@@ -22,13 +26,17 @@ from engine.sequence import Sequence
 from engine.step import StepContext
 from engine.trace.events import COMPUTE, COMPUTING
 
+DECODE_GROUP_BYTES = 256 << 20   # a ring slot's room for decode's groups of earlier blocks (one layer's KV)
+
 
 class ChunkedRunner(OffloadRunner):
     mode = "chunked"
 
     def _make_offload_engine(self):
         self._pos = 0  # ring position, continuing across chunks and steps
-        return self._engine(self.config.ring_slots, 1)
+        layer_block = self.block_bytes // self.args.num_layers            # one block of one layer
+        self.group = max(1, min(self.max_blocks_per_seq, DECODE_GROUP_BYTES // layer_block))
+        return self._engine(self.config.ring_slots, self.group)
 
     def forward(self, seq: Sequence, is_prefill: bool, ctx: StepContext):
         bs = self.block_size
@@ -97,37 +105,47 @@ class ChunkedRunner(OffloadRunner):
         plan = None
         if self.policy.plans_loads and not is_prefill and earlier:
             plan = self.policy.plan_load(layer, end, ctx)
+        if plan is None and not is_prefill:    # decode: groups of blocks that fill a slot
+            g = self.group
+            return [(layer, list(earlier[i:i + g])) for i in range(0, len(earlier), g)], None
         if plan is None:
             return [(layer, blk) for blk in earlier], None
         bs, n = self.block_size, plan.rows.shape[1]
         return [(layer, plan.rows[:, j:j + bs], j) for j in range(0, n, bs)], plan.device_tail
 
     def _issue(self, slot: int, item: tuple) -> None:
-        if isinstance(item[1], int):
-            self.oe.load(slot, item[0], [item[1]])
+        if isinstance(item[1], (int, list)):
+            self.oe.load(slot, item[0], item[1] if isinstance(item[1], list) else [item[1]])
         else:
             self.oe.load_rows(slot, item[0], item[1])
 
     def _earlier_block(self, q, o, lse, loads, first: int, i: int, rec, fix=None):
-        """Attend to the i-th load of this chunk (an earlier block, or a pack of planned rows: corrected first
-        where the policy's fix puts rows into it), then hand its slot to load i + N."""
+        """Attend to the i-th load of this chunk (an earlier block, a decode group of blocks, or a pack of planned
+        rows: corrected first where the policy's fix puts rows into it), then hand its slot to load i + N."""
         oe, N, bs = self.oe, self.oe.ring_slots, self.block_size
         layer = loads[i][0]
         slot = (first + i) % N
         for ev in oe.ready(slot):
             wait_on(ev, self.device, rec, layer, slot)
+        n, group = bs, isinstance(loads[i][1], list)
+        tokens = bs * len(loads[i][1]) if group else bs
         if rec.detail:
-            rec.slot_state(slot, layer, COMPUTING, bs, oe.capacity_tokens)
-        n = bs
-        if not isinstance(loads[i][1], int):                            # a pack: rows j .. j + n of the plan
+            rec.slot_state(slot, layer, COMPUTING, tokens, oe.capacity_tokens)
+        if not group and not isinstance(loads[i][1], int):              # a pack: rows j .. j + n of the plan
             j, n = loads[i][2], loads[i][1].shape[1]
             if fix is not None:
                 here = (fix.dst >= j) & (fix.dst < j + n)
                 oe.fix_rows(slot, layer, fix.rows.masked_fill(~here, -1), (fix.dst - j).clamp(0, n - 1))
-        kv = oe.buffers[slot][0]
-        part, part_lse = attention_lse(q, kv[0][:, :n], kv[1][:, :n], self.scale)
+        if group:                                                       # g whole blocks: [Hkv, g * bs, D]
+            g = len(loads[i][1])
+            kv = oe.buffers[slot][:g].transpose(0, 2).flatten(2, 3)     # [Hkv, 2, g * bs, D]
+            k, v = kv[:, 0], kv[:, 1]
+        else:
+            kv = oe.buffers[slot][0]
+            k, v = kv[0][:, :n], kv[1][:, :n]
+        part, part_lse = attention_lse(q, k, v, self.scale)
         o, lse = merge_lse(o, lse, part, part_lse)
-        oe.release(slot, layer, bs)
+        oe.release(slot, layer, tokens)
         if i + N < len(loads):
             self._issue(slot, loads[i + N])
         return o, lse

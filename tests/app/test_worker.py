@@ -3,6 +3,7 @@ change switches the loaded engine's policy instead of rebuilding it, and a bad p
 import threading
 
 import pytest
+import shiboken6
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from app.worker import EngineThread, EngineWorker
@@ -134,4 +135,6 @@ def test_the_engine_thread_keeps_one_python_thread_state(qtbot, thread_class, ke
     finally:
         thread.quit()
         thread.wait()
+        for obj in (probe, sender, thread):   # deleted here, not by a later garbage collection on another thread
+            shiboken6.delete(obj)
     assert seen == ([None, 0, 1] if keeps else [None, None, None])
