@@ -33,6 +33,7 @@ from app.settings import restore_settings, save_settings
 from app.status import StatusBar
 from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.views import VIEWS, ViewSpec, build_docks
+from app.collector import GuiThreadCollector
 from app.worker import EngineThread, EngineWorker
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES
@@ -101,6 +102,7 @@ class MainWindow(QMainWindow):
         self._build_views()
         build_menus(self)
         self._default_state = self.saveState()
+        self.collector = GuiThreadCollector(self)   # before the engine's thread starts (see app/collector.py)
         self._start_worker()
         traced = tuple(self.views[spec.name] for spec in self.view_specs if spec.telemetry)
         self.telemetry = TelemetryPump(self.worker.drain, traced, self._draw_steps, self.metrics.clear, parent=self)
@@ -355,6 +357,7 @@ class MainWindow(QMainWindow):
         finished = self.thread.wait(timeout_ms)
         if finished:
             self.worker.close_engine()        # nothing runs on the engine any more: join its threads
+            self.collector.stop()
         return finished
 
     def closeEvent(self, event) -> None:

@@ -72,6 +72,32 @@ def window(qapp, doc, tmp_path_factory, default_model_dir):
     yield win
     win.close()
     assert win.thread.isFinished()
+    import gc
+    assert gc.isenabled()            # automatic collection is back once no window needs the GUI-thread collector
+
+
+def test_garbage_is_collected_on_the_gui_thread(window, qtbot):
+    """While the window runs, the interpreter collects no cycles by itself (a collection on the engine's thread
+    could destroy GUI objects there and deadlock, see app/collector.py); the GUI thread's timer does it."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    assert not gc.isenabled()
+    first = Node()
+    first.me = first
+    ref = weakref.ref(first)
+    del first
+    cycles = []
+    for _ in range(gc.get_threshold()[0] + 50):   # past generation 0's threshold, as any busy turn gets
+        n = Node()
+        n.me = n
+        cycles.append(n)
+    del cycles, n
+    qtbot.waitUntil(lambda: ref() is None, timeout=5000)
+    assert window.collector.collections > 0
 
 
 def test_the_worker_runs_on_an_engine_thread(window):
