@@ -105,17 +105,15 @@ class ChunkedRunner(OffloadRunner):
         plan = None
         if self.policy.plans_loads and not is_prefill and earlier:
             plan = self.policy.plan_load(layer, end, ctx)
-        if plan is None and not is_prefill:    # decode: groups of blocks that fill a slot
-            g = self.group
+        if plan is None:                       # whole blocks: one at a time at prefill, at decode groups filling a slot
+            g = 1 if is_prefill else self.group
             return [(layer, list(earlier[i:i + g])) for i in range(0, len(earlier), g)], None
-        if plan is None:
-            return [(layer, blk) for blk in earlier], None
         bs, n = self.block_size, plan.rows.shape[1]
         return [(layer, plan.rows[:, j:j + bs], j) for j in range(0, n, bs)], plan.device_tail
 
     def _issue(self, slot: int, item: tuple) -> None:
-        if isinstance(item[1], (int, list)):
-            self.oe.load(slot, item[0], item[1] if isinstance(item[1], list) else [item[1]])
+        if isinstance(item[1], list):
+            self.oe.load(slot, item[0], item[1])
         else:
             self.oe.load_rows(slot, item[0], item[1])
 
@@ -127,20 +125,18 @@ class ChunkedRunner(OffloadRunner):
         slot = (first + i) % N
         for ev in oe.ready(slot):
             wait_on(ev, self.device, rec, layer, slot)
-        n, group = bs, isinstance(loads[i][1], list)
-        tokens = bs * len(loads[i][1]) if group else bs
+        blocks = isinstance(loads[i][1], list)
+        tokens = bs * len(loads[i][1]) if blocks else bs
         if rec.detail:
             rec.slot_state(slot, layer, COMPUTING, tokens, oe.capacity_tokens)
-        if not group and not isinstance(loads[i][1], int):              # a pack: rows j .. j + n of the plan
+        if blocks:                                                      # g whole blocks: [Hkv, g * bs, D]
+            kv = oe.buffers[slot][:len(loads[i][1])].transpose(0, 2).flatten(2, 3)   # [Hkv, 2, g * bs, D]
+            k, v = kv[:, 0], kv[:, 1]
+        else:                                                           # a pack: rows j .. j + n of the plan
             j, n = loads[i][2], loads[i][1].shape[1]
             if fix is not None:
                 here = (fix.dst >= j) & (fix.dst < j + n)
                 oe.fix_rows(slot, layer, fix.rows.masked_fill(~here, -1), (fix.dst - j).clamp(0, n - 1))
-        if group:                                                       # g whole blocks: [Hkv, g * bs, D]
-            g = len(loads[i][1])
-            kv = oe.buffers[slot][:g].transpose(0, 2).flatten(2, 3)     # [Hkv, 2, g * bs, D]
-            k, v = kv[:, 0], kv[:, 1]
-        else:
             kv = oe.buffers[slot][0]
             k, v = kv[0][:, :n], kv[1][:, :n]
         part, part_lse = attention_lse(q, k, v, self.scale)

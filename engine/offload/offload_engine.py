@@ -29,7 +29,12 @@ from engine.trace.recorder import NULL_RECORDER, Recorder
 
 
 def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """[(buffer pos, host block)] -> [(first pos, first block, count)]: runs where both go up by one."""
+    """[(buffer pos, host block)] -> [(first pos, first block, count)]: runs where both go up by one. The common
+    case, one run all the way (a layer's blocks in order), is recognised without a Python loop."""
+    if pairs:
+        (p0, b0), n = pairs[0], len(pairs)
+        if pairs[-1] == (p0 + n - 1, b0 + n - 1) and pairs == list(zip(range(p0, p0 + n), range(b0, b0 + n))):
+            return [(p0, b0, n)]
     runs: list[list[int]] = []
     for pos, blk in pairs:
         if runs and pos == runs[-1][0] + runs[-1][2] and blk == runs[-1][1] + runs[-1][2]:
@@ -153,9 +158,7 @@ class OffloadEngine:
             held.clear()
             held.update({first + i: (layer, b, ver.get(b, 0)) for i, b in enumerate(host_blocks)})
             need = host_blocks
-            b0 = host_blocks[0] if n else 0
-            runs = ([(first, b0, n)] if n and host_blocks[-1] - b0 == n - 1 and list(host_blocks) == list(
-                range(b0, b0 + n)) else block_runs(list(zip(range(first, first + n), host_blocks))))
+            runs = block_runs(list(zip(range(first, first + n), host_blocks)))
         if not need:
             return
         rec = self.recorder
