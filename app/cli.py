@@ -251,9 +251,7 @@ def _chat(args) -> int:
              prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=policy,
              policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
              kv_store_gb=args.kv_store_gb) as llm:     # closed at the end: threads joined, last writes done
-        if llm.device.type == "cuda":                 # compiled and captured before the question, not during it
-            _progress(1.0, "warming up: compiling kernels, capturing CUDA graphs")
-            llm.warm_up()
+        llm.warm_up(_progress)                        # CUDA: compiled and captured before the question, not in it
         messages = document_messages(document.text, question, document.name, args.system)
         answer = []
         stats = None

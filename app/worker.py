@@ -129,13 +129,11 @@ class EngineWorker(QObject):
         from engine import LLM
         from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
         llm = LLM(progress=self.model_progress.emit, **config)
-        if llm.device.type == "cuda":    # kernels compiled and graphs captured now, not in the user's first turn
-            self.model_progress.emit(1.0, "warming up: compiling kernels, capturing CUDA graphs")
-            try:
-                llm.warm_up()
-            except BaseException:
-                llm.close()
-                raise
+        try:                             # kernels compiled and graphs captured now, not in the user's first turn
+            llm.warm_up(self.model_progress.emit)
+        except BaseException:
+            llm.close()
+            raise
         llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append,
                                      detail_hz=LIVE_DETAIL_HZ)
         self.llm, self.engine_config = llm, dict(config)

@@ -130,14 +130,16 @@ class LLM:
             # __init__ alive in a reference cycle, which only a garbage collection would break
             self.runner = None
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: Progress | None = None) -> None:
         """CUDA: compile and capture now what a user's first request would, so it runs at the pace of later ones:
         two throwaway prompts of different lengths (compiled functions specialise on the first shape and turn
         dynamic on the second), a few decode steps each (every layer's CUDA graph in each ring buffer), the second
         traced (gpu mode's traced graphs). Its KV leaves the prefix cache and never reaches the disk tier; nothing
-        is recorded to the engine's recorder. Nothing to do on CPU."""
+        is recorded to the engine's recorder. Nothing to do on CPU. `progress` hears that it runs."""
         if self.device.type != "cuda":
             return
+        if progress:
+            progress(1.0, "warming up: compiling kernels, capturing CUDA graphs")
         from engine.trace.recorder import TraceRecorder
         tier, saved, self.tier = self.tier, self._recorder, None
         steps = self.config.ring_slots + 2
