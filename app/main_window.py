@@ -286,8 +286,10 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_answer_done(self, stats: dict) -> None:
         self.chat.end_answer(stats)
-        figures = stats.get("policy_stats") or {}
-        self.quest.set_dense_reason(figures.get("reason") if figures.get("sparse") is False else None)
+        figures, phase = stats.get("policy_stats") or {}, stats.get("policy_phase")
+        dense = figures.get("reason") if figures.get("sparse") is False else None
+        self.quest.set_dense_reason(dense if phase == "decode" else None)
+        self.masks.set_dense_reasons((dense or figures.get("dense_layers")) if phase == "prefill" else None)
         self.metrics.set_stats(stats)
         self._show_context(int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
 

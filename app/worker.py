@@ -25,6 +25,7 @@ from app.documents import Document, load_document
 from app.prompt import document_messages
 from app.quest_highlight import token_char_map
 from engine.errors import KVScopeError
+from engine.sparse.specs import get_spec
 
 
 def _without_policy(config: dict) -> dict:
@@ -221,6 +222,7 @@ class EngineWorker(QObject):
                 self.history += [{"role": "user", "content": question}, {"role": "assistant", "content": "".join(answer)}]
             d = stats.to_dict()
             d["t_done"] = time.time()
+            d["policy"], d["policy_phase"] = llm.config.policy, get_spec(llm.config.policy).phase
             self.answer_done.emit(d)
 
     def _token_map(self, llm, messages: list[dict], text: str, first_step: int) -> dict | None:

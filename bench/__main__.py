@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-kv-budget", type=float, default=None, help="layerwise: device KV budget (GB)")
     p.add_argument("--chunked-block", type=int, default=1024, help="chunked mode: block = chunk size (tokens)")
     p.add_argument("--decode-steps", type=int, default=None, help="tokens timed per decode run (default 32 CPU, 64 GPU)")
+    p.add_argument("--text", default=None, metavar="FILE", help="prompts are pieces of this text (\"sample\": the "
+                   "bundled sample document) from a random place each run, not random token ids: real attention "
+                   "(what sparse prefill policies need); the text repeats when a prompt is longer")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--hf-offloaded", type=int, default=0, metavar="STEPS",

@@ -17,6 +17,14 @@ from engine import LLM, SamplingParams
 from engine.step import StepContext
 
 
+def _text_ids(llm, text: str) -> list[int]:
+    """Token ids of a text file ("sample": the bundled sample document): real text gives real attention."""
+    from app.samples import SAMPLE
+    path = SAMPLE if text == "sample" else text
+    with open(path, encoding="utf-8") as f:
+        return llm.tokenizer.encode(f.read())
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -44,6 +52,7 @@ class Ours:
         self.peak_bytes = 0
         self.gen = torch.Generator().manual_seed(0)
         self.vocab = self.llm.args.vocab_size
+        self.text_ids = _text_ids(self.llm, args.text) if getattr(args, "text", None) else None
         self.base, self.policy, self.params = self.name, "full", {}
         if policy != "full":
             self.name, self.policy, self.params = _label(self.name, policy, params), policy, params or {}
@@ -60,7 +69,12 @@ class Ours:
             self.llm.set_policy(*want)
 
     def _prompt(self, n: int) -> list[int]:
-        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+        """n random token ids, or n tokens of the text from a random place (the text repeated as needed)."""
+        if self.text_ids is None:
+            return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+        ids = self.text_ids * (1 + n // len(self.text_ids))
+        start = int(torch.randint(0, len(ids) - n + 1, (1,), generator=self.gen))
+        return ids[start:start + n]
 
     def _run(self, n: int, new: int, **policy_extra):
         self._use(**policy_extra)

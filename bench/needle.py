@@ -60,6 +60,7 @@ class Cell:
     hit: bool
     answer: str
     recall: dict | None = None     # Quest with recall on: mean, lowest head, per layer (over the answer's steps)
+    density: tuple | None = None   # prefill policies: (density over the sparse layers, sparse layers)
 
 
 def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds: list[str],
@@ -74,8 +75,9 @@ def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds
                 st = out.stats.policy_stats
                 recall = ({"mean": st["recall"], "min_head": st["recall_min_head"],
                            "per_layer": st["recall_per_layer"]} if "recall" in st else None)
+                density = (st["density"], st["sparse_layers"]) if "sparse_layers" in st else None
                 cells.append(Cell(policy, n, d, kind, len(ids), NEEDLES[kind][2].lower() in out.text.lower(),
-                                  out.text.strip(), recall))
+                                  out.text.strip(), recall, density))
     return cells
 
 
@@ -131,6 +133,11 @@ def main(argv=None) -> int:
         cells += got
         print(f"\n{policy} ({args.mode} mode{', ' + json.dumps(params) if params else ''}):")
         print(grid(got, lengths, depths, kinds), flush=True)
+        ran = [c.density for c in got if c.density]
+        for n_tok in lengths if ran else []:
+            at = [c.density for c in got if c.density and c.length == n_tok]
+            print(f"  @{n_tok}: prefill density {sum(d for d, _ in at) / len(at):.3f} over its sparse layers "
+                  f"({min(l for _, l in at)}-{max(l for _, l in at)} of {llm.args.num_layers} layers sparse)")
         measured = [c.recall for c in got if c.recall]
         if measured:
             layers: dict[str, list[float]] = {}

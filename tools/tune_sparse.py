@@ -14,8 +14,8 @@ q = torch.randn(tk, hq, d, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(hkv, tk, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
 v = torch.randn(hkv, tk, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
 print("dense ms", round(_time_ms(lambda: causal_attention(q, k, v, 0.088)), 2))
-pat = _vs_pattern(tk, hq, 1024, 1000, 1000, "cuda", g)
-for bn, w, st in itertools.product([32, 64], [4, 8], [1, 2]):
+pat = _vs_pattern(tk, hq, 0.1, "cuda", g)
+for bn, w, st in itertools.product([64, 128], [4, 8], [1, 2]):
     print("vertical-slash BN, warps, stages", bn, w, st, round(_time_ms(
         lambda: vertical_slash_triton(q, k, v, pat, 0.088, bn, w, st)), 2))
 blocks = _band_blocks(tk, hq, 128, 32, 32, "cuda", g)

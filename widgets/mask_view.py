@@ -69,6 +69,7 @@ class MaskView(HeatmapView):
         self._fractions = np.zeros((0, 0))
         self._edges = np.zeros(1, dtype=np.int64)
         self._cache: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._dense: str | dict | None = None   # set_dense_reasons
 
         self.prefill_combo = QComboBox(toolTip="The recorded prefill whose masks are shown (newest last)")
         self.layer_combo = QComboBox(toolTip="The layer whose mask is shown (or click its bar below)")
@@ -149,6 +150,15 @@ class MaskView(HeatmapView):
         self._cache.clear()
         self._index = -1
         self._sync_prefills()
+        self._redraw()
+
+    def set_dense_reasons(self, reasons: str | dict | None) -> None:
+        """Why the last prefill ran dense, from its policy's stats: a string when no layer ran sparse (`reason`),
+        {layer: why} for the layers that did not (`dense_layers`); None: none did. Said where its masks would be
+        (the hint, or the caption of the prefill shown): no mask is drawn for work that was not done that way."""
+        self._dense = reasons
+        self.hint_label.setText(f"no masks: the last prefill ran dense ({reasons})" if isinstance(reasons, str)
+                                else NO_MASKS_HINT)
         self._redraw()
 
     def prefill_count(self) -> int:
@@ -313,6 +323,12 @@ class MaskView(HeatmapView):
         if p.kind == MINFERENCE:
             text += (f" · {_span([len(m.vertical) for m in ms])} verticals, {_span([len(m.slash) for m in ms])} "
                      "slashes" + (" per head" if len(ms) > 1 else ""))
+        if isinstance(self._dense, str):
+            text += f" · from an earlier prefill: the last one ran dense ({self._dense})"
+        elif self._dense and p is self._prefills[-1]:
+            layers = sorted(int(l) for l in self._dense)
+            text += (f" · layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ran dense: "
+                     + "; ".join(sorted(set(self._dense.values()))))
         return text
 
     def _draw_grid(self) -> None:

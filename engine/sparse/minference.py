@@ -8,14 +8,15 @@ and the `recent` nearest diagonals always. A budget of at most 1 is a fraction o
 otherwise a count. Below `min_len` keys the layer runs dense. The estimate runs one kv head (its G query heads) at a time:
 its memory is G x last_q x Tk floats (128 MiB at 128K tokens, G = 4), never all heads at once.
 
-The pattern runs in engine.ops.sparse_prefill (Triton on CUDA, torch elsewhere), which also counts the pairs
+The pattern runs in engine.ops.sparse_prefill's Triton kernel on CUDA and engine.ops.sparse_gather elsewhere, which also counts the pairs
 each head computed; the kept columns and diagonals and that density go to the trace per (layer, head).
 """
 from __future__ import annotations
 
 import torch
 
-from engine.ops.sparse_prefill import VerticalSlash, vertical_slash_attention
+from engine.ops.sparse_gather import vertical_slash_keep
+from engine.ops.sparse_prefill import VerticalSlash, causal_pairs, vertical_slash_attention
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 
@@ -25,7 +26,7 @@ class MInferencePolicy(SparsePrefillPolicy):
 
     def __init__(self, **params):
         p = self.spec.validate(params)
-        super().__init__(p["min_len"])
+        super().__init__(p["min_len"], p["cpu_dense_above"])
         self.vertical, self.slash, self.last_q = p["vertical"], p["slash"], p["last_q"]
         self.sink, self.recent, self.block = p["sink"], p["recent"], p["block"]
 
@@ -35,6 +36,13 @@ class MInferencePolicy(SparsePrefillPolicy):
             n = int(x * tk) if x <= 1 else int(x)
             return max(min(forced, tk), min(n, tk))
         return count(self.vertical, self.sink), count(self.slash, self.recent)
+
+    def least_density(self, tq: int, tk: int) -> float:
+        """The fewest pairs the budgets can keep: the farthest diagonals (or columns), d = tk - j for j = 1..n,
+        reach min(tq, j) queries each."""
+        def reach(n):
+            return sum(min(tq, j) for j in range(1, n + 1)) if n < 4 * tq else n * tq - tq * (tq - 1) // 2
+        return max(reach(n) for n in self.budgets(tk)) / causal_pairs(tq, tk)
 
     @torch.no_grad()
     def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> VerticalSlash:
@@ -60,9 +68,11 @@ class MInferencePolicy(SparsePrefillPolicy):
         slash = diag_score.topk(ns, dim=1).indices.sort(dim=1).values.int()
         return VerticalSlash(vertical, slash, self.block)
 
-    def sparse_attention(self, q, k, v, layer, scale):
-        pat = self.estimate(q, k, scale)
-        return (*vertical_slash_attention(q, k, v, pat, scale), pat)
+    def kernel(self, q, k, v, pat: VerticalSlash, scale):
+        return vertical_slash_attention(q, k, v, pat, scale)
+
+    def keep(self, pat: VerticalSlash, tq, tk):
+        return vertical_slash_keep(pat, tq, tk)
 
     def record(self, recorder, layer, pat: VerticalSlash, density, n):
         for h, dens in enumerate(density):

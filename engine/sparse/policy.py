@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.ops.attention import causal_attention
+from engine.ops.sparse_gather import gathered_attention, keep_density
 from engine.ops.sparse_prefill import causal_pairs
 from engine.sparse.specs import SPECS, PolicySpec
 from engine.step import QUIET, StepContext
@@ -137,29 +138,71 @@ def attach(policy: SparsePolicy, args, block_size: int, device, dtype, num_block
 
 
 class SparsePrefillPolicy(SparsePolicy):
-    """A policy that computes prefill attention on a sparse pattern (MInference, XAttention), dense below
-    `min_len` keys or when too few queries are new. Subclasses give `sparse_attention` -> (out, pairs computed
-    per head, pattern) and `record` (the pattern and its density per head to the trace); this keeps the density
-    per layer of the last prefill."""
+    """A policy that computes prefill attention on a sparse pattern (MInference, XAttention). Subclasses give
+    `estimate(q, k, scale)` -> pattern, `kernel(q, k, v, pattern, scale)` -> (out, pairs computed per head) on
+    CUDA, `keep(pattern, tq, tk)` -> the pattern as kept keys per query block (engine.ops.sparse_gather) for
+    the other devices, and `record` (the pattern and its density per head to the trace).
 
-    def __init__(self, min_len: int):  # noqa: D107 - subclasses validate their parameters against their spec
-        self.min_len = min_len
+    A layer runs dense, and says why (`dense_reasons`, the stats' `sparse: false, reason`), below `min_len`
+    keys, with fewer than 64 new queries, and off CUDA when its pattern keeps more pairs than the gathered path
+    can compute faster than dense attention (`cpu_dense_above`, measured: bench --cpu-prefill). A layer that ran
+    dense records no mask. This keeps the density per layer of the last prefill."""
+    block = 128
+
+    def __init__(self, min_len: int, cpu_dense_above: float):  # noqa: D107 - subclasses validate their parameters
+        self.min_len, self.cpu_dense_above = min_len, cpu_dense_above
         self._pairs: dict[int, tuple[torch.Tensor, int]] = {}   # layer -> (pairs per head, dense causal pairs)
+        self.dense_reasons: dict[int, str] = {}                   # layer -> why it ran dense
 
     def reset(self) -> None:
         self._pairs.clear()
+        self.dense_reasons.clear()
 
-    def sparse_attention(self, q, k, v, layer: int, scale: float):
+    def estimate(self, q, k, scale: float):
+        raise NotImplementedError
+
+    def kernel(self, q, k, v, pattern, scale: float):
+        raise NotImplementedError
+
+    def least_density(self, tq: int, tk: int) -> float:
+        """A lower bound of the share of causal pairs the pattern keeps, known before estimating it."""
+        return 0.0
+
+    def keep(self, pattern, tq: int, tk: int) -> torch.Tensor:
         raise NotImplementedError
 
     def record(self, recorder, layer: int, pattern, density: list[float], n: int) -> None:
         raise NotImplementedError
 
+    def _sparse(self, q, k, v, scale):
+        """(out, pairs per head, pattern), or a string: why this layer runs dense."""
+        tq, tk = q.shape[0], k.shape[0]
+        if tk < self.min_len:
+            return f"the prompt ({tk:,} tokens) is below min_len {self.min_len:,}"
+        if tq < 64:
+            return f"only {tq} new tokens (a cached prefix holds the rest): too few to estimate a pattern"
+        cpu = not q.is_cuda and self.cpu_dense_above < 1
+        if cpu and (least := self.least_density(tq, tk)) > self.cpu_dense_above:
+            return (f"the budgets keep at least {least:.0%} of the pairs at {tk:,} tokens: above "
+                    f"{self.cpu_dense_above:.0%} dense attention is faster on the CPU")
+        pattern = self.estimate(q, k, scale)
+        if q.is_cuda:
+            return (*self.kernel(q, k, v, pattern, scale), pattern)
+        keep = self.keep(pattern, tq, tk)
+        share = keep_density(keep, self.block, tq, tk)
+        if cpu and share > self.cpu_dense_above:
+            return (f"the pattern keeps {share:.0%} of the pairs: above {self.cpu_dense_above:.0%} dense attention "
+                    "is faster on the CPU")
+        return (*gathered_attention(q, k, v, keep, self.block, scale), pattern)
+
     def prefill_attention(self, q, k, v, layer, scale, ctx=QUIET):
-        if k.shape[0] < self.min_len or q.shape[0] < 64:
+        got = self._sparse(q, k, v, scale)
+        if isinstance(got, str):
             self._pairs.pop(layer, None)
+            self.dense_reasons[layer] = got
             return super().prefill_attention(q, k, v, layer, scale, ctx)
-        out, pairs, pattern = self.sparse_attention(q, k, v, layer, scale)
+        out, pairs, pattern = got
+        self.dense_reasons.pop(layer, None)
         self._pairs[layer] = (pairs, causal_pairs(q.shape[0], k.shape[0]))
         if ctx.recorder.enabled:
             self.record(ctx.recorder, layer, pattern, self.density(layer), k.shape[0])
@@ -173,11 +216,16 @@ class SparsePrefillPolicy(SparsePolicy):
         return (pairs.double() / dense).tolist()
 
     def stats(self) -> dict:
+        reasons = sorted(set(self.dense_reasons.values()), key=list(self.dense_reasons.values()).count)
         if not self._pairs:
-            return {"sparse_layers": 0, "density": 1.0}
+            return {"sparse": False, "reason": reasons[-1] if reasons else "no prefill yet",
+                    "sparse_layers": 0, "density": 1.0}
         per_layer = {l: sum(self.density(l)) / len(self.density(l)) for l in sorted(self._pairs)}
-        return {"sparse_layers": len(per_layer), "density": sum(per_layer.values()) / len(per_layer),
-                "density_per_layer": {str(l): round(d, 4) for l, d in per_layer.items()}}
+        out = {"sparse": True, "sparse_layers": len(per_layer), "density": sum(per_layer.values()) / len(per_layer),
+               "density_per_layer": {str(l): round(d, 4) for l, d in per_layer.items()}}
+        if self.dense_reasons:
+            out["dense_layers"] = {str(l): r for l, r in sorted(self.dense_reasons.items())}
+        return out
 
 
 class FullPolicy(SparsePolicy):

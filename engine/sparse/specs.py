@@ -157,8 +157,12 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
                "pattern", panel=False),
          Param("sink", int, 64, 0, 1 << 20, "first key columns always kept", panel=False),
          Param("recent", int, 128, 0, 1 << 20, "nearest diagonals always kept", panel=False),
-         Param("block", int, 64, help="kernel tile of the pattern (tokens)", choices=(16, 32, 64, 128),
-               panel=False))),
+         Param("block", int, 128, help="kernel tile of the pattern (tokens)", choices=(16, 32, 64, 128),
+               panel=False),
+         Param("cpu_dense_above", float, 0.25, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
+               "of the causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense "
+               "attention there; measured with bench --text sample). 1 = always sparse, to study the masks.",
+               "CPU: dense above", step=0.05))),
     PolicySpec(
         "xattention", "XAttention", "prefill", ("gpu", "layerwise"),
         "Prefill policy: scores attention blocks by the sums of their antidiagonals and computes only the "
@@ -176,7 +180,11 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("block", int, 128, help="block size of the sparse pattern (tokens)", choices=(16, 32, 64, 128, 256),
                panel=False),
          Param("chunk_rows", int, 2048, 1, 1 << 20, "query rows scored at once (bounds the estimate's memory)",
-               panel=False))),
+               panel=False),
+         Param("cpu_dense_above", float, 0.25, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
+               "of the causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense "
+               "attention there; measured with bench --text sample). 1 = always sparse, to study the masks.",
+               "CPU: dense above", step=0.05))),
     PolicySpec(
         "streamingllm", "StreamingLLM", "decode", OFFLOAD,
         "Decode policy: attends to the first tokens (the attention sink) and a window of the most recent ones, "

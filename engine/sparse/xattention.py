@@ -12,7 +12,7 @@ sink) and the query block's own diagonal blocks always are. Every antidiagonal c
 its cell once, so a vertical or a slash line inside a block shows up in its score (the paper's point).
 
 The estimate runs per kv head and per chunk of query blocks (memory G x chunk x Tk/S floats); the selection
-[Hq, Tq/B, Tk/B] runs in engine.ops.sparse_prefill's block-sparse kernel (Triton on CUDA, torch elsewhere).
+[Hq, Tq/B, Tk/B] runs in engine.ops.sparse_prefill's block-sparse kernel on CUDA, engine.ops.sparse_gather elsewhere.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
+from engine.ops.sparse_gather import block_sparse_keep
 from engine.ops.sparse_prefill import block_sparse_attention
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
@@ -32,7 +33,7 @@ class XAttentionPolicy(SparsePrefillPolicy):
 
     def __init__(self, **params):
         p = self.spec.validate(params)
-        super().__init__(p["min_len"])
+        super().__init__(p["min_len"], p["cpu_dense_above"])
         self.threshold, self.stride, self.block, self.chunk_rows = p["threshold"], p["stride"], p["block"], p["chunk_rows"]
         if self.block % self.stride:
             raise ConfigError(f"xattention stride {self.stride} must divide the block of {self.block} tokens")
@@ -78,9 +79,11 @@ class XAttentionPolicy(SparsePrefillPolicy):
         kept = (before < self.threshold) & (p > 0)
         return torch.zeros_like(kept).scatter_(-1, order, kept)
 
-    def sparse_attention(self, q, k, v, layer, scale):
-        blocks = self.estimate(q, k, scale)
-        return (*block_sparse_attention(q, k, v, blocks, self.block, scale), blocks)
+    def kernel(self, q, k, v, blocks, scale):
+        return block_sparse_attention(q, k, v, blocks, self.block, scale)
+
+    def keep(self, blocks, tq, tk):
+        return block_sparse_keep(blocks, self.block, tq, tk)
 
     def record(self, recorder, layer, blocks: torch.Tensor, density, n):
         hq, nqb, nkb = blocks.shape

@@ -174,8 +174,10 @@ def test_quest_policy_from_the_command_line(capsys, tmp_path, default_model_dir)
     assert code == 2 and "layerwise" in err
 
 
-@pytest.mark.parametrize("policy,flags", [("minference", ["--minference-vertical", "0.1", "--minference-slash", "0.2"]),
-                                          ("xattention", ["--xattention-threshold", "0.8", "--xattention-stride", "8"])])
+@pytest.mark.parametrize("policy,flags", [("minference", ["--minference-vertical", "0.1", "--minference-slash", "0.2",
+                                                         "--minference-cpu-dense-above", "1"]),
+                                          ("xattention", ["--xattention-threshold", "0.8", "--xattention-stride", "8",
+                                                          "--xattention-cpu-dense-above", "1"])])
 def test_sparse_prefill_policy_from_the_command_line(capsys, tmp_path, default_model_dir, policy, flags):
     doc = tmp_path / "note.txt"
     doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen.\n" * 40)
@@ -186,6 +188,11 @@ def test_sparse_prefill_policy_from_the_command_line(capsys, tmp_path, default_m
     result = json.loads(out)
     assert result["policy"] == policy and result["policy_params"]["min_len"] == 256
     assert result["policy_stats"]["sparse_layers"] == 30 and 0 < result["policy_stats"]["density"] < 1
+    code, out, err = run_cli(capsys, "--document", str(doc), "--ask", "In which city is the meeting?", "--json",
+                             "--max-new-tokens", "4", "--model", str(default_model_dir), "--policy", policy,
+                             "--sparse-min-len", "256")   # the CPU's default: this short a prompt runs dense
+    stats = json.loads(out)["policy_stats"]
+    assert code == 0 and stats["sparse"] is False and "dense attention is faster on the CPU" in stats["reason"]
 
 
 # ---------------------------------------------------------------------- policy flags (from engine.sparse.SPECS)

@@ -297,8 +297,13 @@ def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
     params["min_len"].setValue(256)
     window.docks["masks"].raise_()
     try:
+        ask(qtbot, window, QUESTION)       # ~500 tokens: the pattern keeps too much for the CPU to win: dense
+        assert window.masks.showing_hint() and "the last prefill ran dense (the pattern keeps" in \
+            window.masks.hint_label.text() and "dense attention is faster on the CPU" in window.masks.hint_label.text()
+        params["cpu_dense_above"].setValue(1.0)                 # sparse anyway, to see the masks
         ask(qtbot, window, QUESTION)
-        assert window.worker.engine_config["policy_params"] == {"vertical": 0.1, "slash": 0.3, "min_len": 256}
+        assert window.worker.engine_config["policy_params"] == {"vertical": 0.1, "slash": 0.3, "min_len": 256,
+                                                                "cpu_dense_above": 1.0}
         assert window.worker.llm is llm                     # only the policy changed: switched, not rebuilt
         assert window.status.policy_label.text() == "policy: MInference"
         qtbot.waitUntil(lambda: not window.masks.showing_hint(), timeout=5000)

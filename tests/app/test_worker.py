@@ -10,7 +10,7 @@ from app.worker import EngineThread, EngineWorker
 from engine.trace.events import PREFILL
 
 DOC = ("The harbour office keeps a log of every ship that enters the port. " * 40).strip()
-MI_PARAMS = {"min_len": 256, "vertical": 96, "slash": 192}
+MI_PARAMS = {"min_len": 256, "vertical": 96, "slash": 192, "block": 64, "cpu_dense_above": 1.0}
 
 
 class Signals:
@@ -75,7 +75,7 @@ def test_a_bad_policy_parameter_reaches_the_user_and_keeps_the_engine(worker):
 def test_another_engine_setting_rebuilds_the_engine(worker):
     llm = worker.llm
     config = {**worker.engine_config, "kv_block_size": 128, "policy": "xattention",
-              "policy_params": {"min_len": 256, "threshold": 0.8}}
+              "policy_params": {"min_len": 256, "threshold": 0.8, "cpu_dense_above": 1.0}}
     worker.load_model(config)
     assert worker.signals.errors == [] and worker.llm is not llm and worker.engine_config == config
     assert worker.llm.config.kv_block_size == 128 and worker.llm.config.policy == "xattention"

@@ -79,8 +79,8 @@ def answer(folder, mode, policy="full", params=None, recorder=None):
 
 @pytest.mark.parametrize("mode", ["gpu", "layerwise"])
 @pytest.mark.parametrize("policy,params", [
-    ("minference", {"vertical": 1.0, "slash": 1.0, "min_len": 64, "block": 16}),  # every column and diagonal
-    ("xattention", {"threshold": 1.0, "stride": 4, "block": 16, "min_len": 64}),    # every block with mass
+    ("minference", {"vertical": 1.0, "slash": 1.0, "min_len": 64, "block": 16, "cpu_dense_above": 1.0}),  # all
+    ("xattention", {"threshold": 1.0, "stride": 4, "block": 16, "min_len": 64, "cpu_dense_above": 1.0}),
 ])
 def test_patterns_that_cover_everything_answer_like_full(tiny_dir, mode, policy, params):
     want, _ = answer(tiny_dir, mode)
@@ -90,8 +90,9 @@ def test_patterns_that_cover_everything_answer_like_full(tiny_dir, mode, policy,
 
 
 @pytest.mark.parametrize("policy,params", [
-    ("minference", {"vertical": 16, "slash": 32, "min_len": 64, "block": 16, "sink": 4, "recent": 16}),
-    ("xattention", {"threshold": 0.6, "stride": 4, "block": 16, "min_len": 64}),
+    ("minference", {"vertical": 16, "slash": 32, "min_len": 64, "block": 16, "sink": 4, "recent": 16,
+                    "cpu_dense_above": 1.0}),
+    ("xattention", {"threshold": 0.6, "stride": 4, "block": 16, "min_len": 64, "cpu_dense_above": 1.0}),
 ])
 def test_sparse_prefill_is_the_same_in_gpu_and_layerwise_mode_and_traced(tiny_dir, policy, params):
     rec = TraceRecorder()
@@ -116,12 +117,26 @@ def test_below_min_len_the_policy_runs_dense(tiny_dir):
     want, _ = answer(tiny_dir, "gpu")
     got, stats = answer(tiny_dir, "gpu", "minference", {"min_len": 1000, "vertical": 4, "slash": 4})
     assert got == want and stats.policy_stats["sparse_layers"] == 0
+    assert stats.policy_stats["sparse"] is False and "below min_len 1,000" in stats.policy_stats["reason"]
+
+
+def test_a_dense_pattern_runs_dense_on_the_cpu_and_says_why(tiny_dir):
+    """Off CUDA, a pattern that keeps more pairs than the gathered path can beat dense with runs dense: the
+    answer is full attention's, no mask is recorded, and the stats say why."""
+    want, _ = answer(tiny_dir, "gpu")
+    rec = TraceRecorder()
+    got, stats = answer(tiny_dir, "gpu", "xattention", {"threshold": 1.0, "stride": 4, "block": 16, "min_len": 64},
+                        recorder=rec)
+    assert got == want
+    assert stats.policy_stats["sparse"] is False and stats.policy_stats["sparse_layers"] == 0
+    assert "dense attention is faster on the CPU" in stats.policy_stats["reason"]
+    assert not [m for s in rec.steps for m in s.masks]
 
 
 def test_policies_switch_between_requests(tiny_dir):
     llm = LLM(str(tiny_dir), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400)
     dense = llm.generate([PROMPT], GREEDY)[0]
-    llm.set_policy("xattention", {"threshold": 0.6, "stride": 4, "block": 16, "min_len": 64})
+    llm.set_policy("xattention", {"threshold": 0.6, "stride": 4, "block": 16, "min_len": 64, "cpu_dense_above": 1.0})
     sparse = llm.generate([PROMPT], GREEDY)[0]
     assert sparse.stats.cached_tokens == 0                        # the new policy really ran on the whole prompt
     assert 0 < sparse.stats.policy_stats["density"] < 0.9

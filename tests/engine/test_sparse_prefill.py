@@ -135,3 +135,56 @@ def test_block_sparse_triton_equals_reference(dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     assert pairs.cpu().tolist() == want_pairs.tolist()
+
+
+@pytest.mark.parametrize("tq,tk,block", [(70, 70, 16), (45, 77, 16), (64, 64, 32), (1, 40, 8)])
+def test_block_pairs_counts_what_the_reference_computes(tq, tk, block):
+    """FlexAttention's path counts its pairs from the table: the same numbers the masked reference computes."""
+    from engine.ops.flex_sparse import block_pairs
+    q, k, v = inputs(tq, tk)
+    blocks = torch.rand(4, -(-tq // block), -(-tk // block), generator=torch.Generator().manual_seed(3)) < 0.5
+    assert block_pairs(blocks, block, tq, tk).tolist() == block_sparse_reference(q, k, v, blocks, block, 0.3)[1].tolist()
+
+
+GATHER_CASES = [(70, 70, 16), (45, 77, 16), (64, 64, 16), (96, 96, 32), (40, 100, 16)]   # ragged, offset, aligned
+
+
+@pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
+def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
+    """The CPU path computes exactly the pattern's pairs (GQA: 4 query heads on 2 kv heads)."""
+    from engine.ops.sparse_gather import gathered_attention, vertical_slash_keep
+    q, k, v = inputs(tq, tk)
+    pat = VerticalSlash(sorted_pick(tk, 4, 6, 1, forced=(0, 1)), sorted_pick(tk, 4, 5, 2, forced=(0,)), block)
+    allowed = vs_allowed(pat, tq, tk)
+    out, pairs = gathered_attention(q, k, v, vertical_slash_keep(pat, tq, tk), block, 0.25)
+    assert torch.allclose(out, dense_masked(q, k, v, allowed, 0.25), atol=1e-5)
+    assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
+
+
+@pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
+def test_gathered_block_sparse_equals_the_definition(tq, tk, block):
+    from engine.ops.sparse_gather import block_sparse_keep, gathered_attention, keep_density
+    q, k, v = inputs(tq, tk)
+    nqb, nkb = -(-tq // block), -(-tk // block)
+    blocks = torch.rand(4, nqb, nkb, generator=torch.Generator().manual_seed(5)) < 0.4
+    off = tk - tq
+    blocks[:, torch.arange(nqb), (off + torch.arange(nqb) * block) // block] = True   # most own blocks kept
+    blocks[1, 0] = False                                                               # head 1, block 0: no key
+    rows, cols = torch.arange(tq), torch.arange(tk)
+    allowed = blocks[:, rows // block][:, :, cols // block] & (cols[None] <= off + rows[:, None])
+    keep = block_sparse_keep(blocks, block, tq, tk)
+    out, pairs = gathered_attention(q, k, v, keep, block, 0.25)
+    want = dense_masked(q, k, v, allowed, 0.25).nan_to_num(0.0)                       # empty rows: zero
+    assert torch.allclose(out, want, atol=1e-5)
+    assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
+    assert keep_density(keep, block, tq, tk) >= pairs.sum() / (4 * causal_pairs(tq, tk))   # an upper bound
+
+
+def test_gathered_keep_everything_is_dense_causal():
+    from engine.ops.sparse_gather import gathered_attention
+    q, k, v = inputs(80, 80)
+    keep = torch.ones(4, 5, 80, dtype=torch.bool) & (torch.arange(80)[None, None] < (torch.arange(1, 6) * 16)[None, :, None])
+    out, pairs = gathered_attention(q, k, v, keep, 16, 0.3)
+    causal = torch.ones(80, 80, dtype=torch.bool).tril()[None].expand(4, -1, -1)
+    assert torch.allclose(out, dense_masked(q, k, v, causal, 0.3), atol=1e-5)
+    assert pairs.tolist() == [causal_pairs(80, 80)] * 4

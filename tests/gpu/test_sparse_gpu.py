@@ -40,7 +40,31 @@ def test_block_sparse_kernel_at_qwen3_shape(tq, tk):
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
-@pytest.mark.parametrize("policy,params", [("minference", {"vertical": 256, "slash": 512, "min_len": 1024}),
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tq,tk,d", [(4096, 4096, 128), (3000, 4133, 128), (4000, 4000, 64)])
+def test_block_sparse_dispatch_flex_at_real_shapes(tq, tk, d, dtype):
+    """What XAttention runs on CUDA (FlexAttention, else Triton) equals the masked reference, pairs included."""
+    from engine.ops.sparse_prefill import block_sparse_attention
+    q, k, v = _qkv(tq, tk, d=d, dtype=dtype)
+    blocks = XAttentionPolicy(threshold=0.5, stride=16, block=128, min_len=1).estimate(q, k, d ** -0.5)
+    got, pairs = block_sparse_attention(q, k, v, blocks, 128, d ** -0.5)
+    want, want_pairs = block_sparse_reference(q, k, v, blocks, 128, d ** -0.5)
+    assert (got.float() - want.float()).abs().max() < 2e-2
+    assert pairs.cpu().tolist() == want_pairs.tolist()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_vertical_slash_kernel_block_128_default_tiles(d):
+    q, k, v = _qkv(3000, 4133, d=d)
+    pat = MInferencePolicy(vertical=300, slash=500, min_len=1).estimate(q, k, d ** -0.5)
+    assert pat.block == 128
+    got, pairs = vertical_slash_triton(q, k, v, pat, d ** -0.5)
+    want, want_pairs = vertical_slash_reference(q, k, v, pat, d ** -0.5)
+    assert (got.float() - want.float()).abs().max() < 2e-2
+    assert pairs.cpu().tolist() == want_pairs.tolist()
+
+
+@pytest.mark.parametrize("policy,params", [("minference", {"vertical": 256, "slash": 512, "min_len": 1024, "block": 64}),
                                            ("xattention", {"threshold": 0.8, "min_len": 1024})])
 def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()

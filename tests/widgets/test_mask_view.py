@@ -30,7 +30,7 @@ def _run(model_dir, prompts, **kw):
 @pytest.fixture(scope="module")
 def mi_runs(default_model_dir):
     return _run(default_model_dir, [PROMPT, LONGER, SHORT], policy="minference",
-                policy_params={"min_len": 256, "vertical": 96, "slash": 192})
+                policy_params={"min_len": 256, "vertical": 96, "slash": 192, "block": 64, "cpu_dense_above": 1.0})
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def mi_steps(mi_runs):
 @pytest.fixture(scope="module")
 def xa_steps(default_model_dir):
     return _run(default_model_dir, [PROMPT], policy="xattention",
-                policy_params={"min_len": 256, "threshold": 0.8, "stride": 8, "block": 64})[0]
+                policy_params={"min_len": 256, "threshold": 0.8, "stride": 8, "block": 64, "cpu_dense_above": 1.0})[0]
 
 
 def _shown(qtbot, widget, w=700, h=700):
@@ -299,3 +299,19 @@ def test_the_density_grid_fits_in_the_window(qtbot, tmp_path, mi_steps, size):
     assert (x0, x1, y0, y1) == (-0.5, layers - 0.5, -0.5, heads - 0.5)    # every layer and head in view
     assert cells.width() / layers >= 3 and cells.height() / heads >= 3     # each cell a few pixels
     assert _in_window(win, view.plot).right() < cells.left()               # beside the mask, not over it
+
+
+def test_a_prefill_that_ran_dense_says_why_instead_of_drawing_masks(qtbot, mi_runs, mi_steps):
+    """The policy's stats say `sparse: false, reason` (or `dense_layers`): the view says so where masks would be."""
+    view = _shown(qtbot, MaskView())
+    view.set_steps(mi_runs[2])                        # the short prompt: below min_len, no masks
+    view.set_dense_reasons("the prompt (100 tokens) is below min_len 256")
+    assert view.showing_hint() and "ran dense (the prompt (100 tokens) is below min_len 256)" in view.hint_label.text()
+    view.set_steps(mi_steps)                          # an earlier prefill's masks stay visible, labelled
+    assert not view.showing_hint() and "from an earlier prefill: the last one ran dense" in view.caption.text()
+    view.set_dense_reasons({"0": "the pattern keeps 40% of the pairs"})
+    assert "layer 0 ran dense: the pattern keeps 40% of the pairs" in view.caption.text()
+    view.set_dense_reasons(None)
+    assert "ran dense" not in view.caption.text()
+    view.set_steps([])
+    assert view.hint_label.text() == NO_MASKS_HINT

@@ -1,0 +1,143 @@
+"""Sparse prefill off CUDA: only the kept (query, key) pairs are computed, so the work follows the density.
+
+Both patterns (engine/ops/sparse_prefill.py) become one table first: `keep` [Hq, nQB, Tk] bool, the keys that a
+block of `block` query rows may see (vertical-slash: the slash runs and the vertical columns of the block;
+block-sparse: the kept key blocks), cut at the block's last row; causality applies per row on top. Then, per
+query head and run of query blocks, the kept keys are gathered into one padded batch [blocks, n, D] (n = the
+most keys a block of the run keeps) and attention is batched matmul - softmax - matmul in fp32 over them, so the
+cost is the kept pairs plus the padding of the batch, not Tk². The result equals the references there (dense
+attention restricted to the same mask), and the pairs it counts are the pairs it computed.
+
+`keep_density` says beforehand what share of the causal pairs a table keeps: the policy runs dense above the
+share where the gather stops paying (see engine/sparse/policy.py), and says so.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops.sparse_prefill import VerticalSlash, causal_pairs
+
+_CHUNK_FLOATS = 1 << 22    # one batch's scores: 16 MiB of fp32
+
+
+def _block_last(nqb: int, block: int, tq: int, tk: int, device) -> torch.Tensor:
+    """Position of each query block's last row (queries are the last tq of tk positions)."""
+    return (tk - tq) + torch.clamp(torch.arange(1, nqb + 1, device=device) * block, max=tq) - 1
+
+
+def vertical_slash_keep(pat: VerticalSlash, tq: int, tk: int) -> torch.Tensor:
+    """[Hq, nQB, Tk] bool: in query block m (first position m0) key c is kept if m0 - c lies in a slash run
+    or c is a vertical column, and c is not past the block's last row."""
+    bm, hq, dev = pat.block, pat.slash.shape[0], pat.slash.device
+    nqb = -(-tq // bm)
+    cols = torch.arange(tk, device=dev)
+    m0 = (tk - tq) + torch.arange(nqb, device=dev) * bm
+    t = m0[:, None] - cols[None]                                              # [nQB, Tk]
+    at = (t + bm - 1).clamp_(0, tk + bm - 1)
+    in_run = pat.covered(tk)[:, at] & (t > -bm)[None]                         # [Hq, nQB, Tk]
+    isv = torch.zeros(hq, tk, dtype=torch.bool, device=dev)
+    isv.scatter_(1, pat.vertical.long(), True)
+    before = cols[None] <= _block_last(nqb, bm, tq, tk, dev)[:, None]
+    return (in_run | isv[:, None]) & before[None]
+
+
+def block_sparse_keep(blocks: torch.Tensor, block: int, tq: int, tk: int) -> torch.Tensor:
+    """blocks [Hq, nQB, nKB] bool -> [Hq, nQB, Tk] bool."""
+    nqb = blocks.shape[1]
+    cols = torch.arange(tk, device=blocks.device)
+    before = cols[None] <= _block_last(nqb, block, tq, tk, blocks.device)[:, None]
+    return blocks[:, :, cols // block] & before[None]
+
+
+def keep_density(keep: torch.Tensor, block: int, tq: int, tk: int) -> float:
+    """Share of the causal pairs the table keeps, counting each kept key for every row of its block (an upper
+    bound: the rows of a block's own diagonal see fewer)."""
+    rows = torch.full((keep.shape[1],), block, dtype=torch.float64)
+    rows[-1] = tq - block * (keep.shape[1] - 1)
+    kept = (keep.sum(dim=-1, dtype=torch.float64) * rows).sum()
+    return float(kept) / (keep.shape[0] * causal_pairs(tq, tk))
+
+
+def _chunks(counts: list[int], block: int) -> list[tuple[int, int, int]]:
+    """Consecutive items (sorted by count) batched while their padded scores fit a chunk: (first, end, n)."""
+    out, first = [], 0
+    for i in range(1, len(counts) + 1):
+        if i == len(counts) or (i - first + 1) * block * counts[i] > _CHUNK_FLOATS:
+            out.append((first, i, counts[i - 1]))
+            first = i
+    return out
+
+
+def _gather(kb: torch.Tensor, n: int, pad_to: int) -> torch.Tensor:
+    """[nb, Tk] kept keys -> [nb, n] their positions in order, the first n of each row (the rest: pad_to)."""
+    nb, tk = kb.shape
+    slot = kb.cumsum(dim=-1) - 1
+    slot = torch.where(kb & (slot < n), slot, n)
+    cols = torch.arange(tk, device=kb.device).expand(nb, -1)
+    return torch.full((nb, n + 1), pad_to, dtype=torch.long, device=kb.device).scatter_(1, slot, cols)[:, :n]
+
+
+def _flash(q, k, v, scale, mask=None, causal=False):
+    """(out, log-sum-exp) of SDPA on the CPU: its fused kernel, which takes a broadcast mask and returns the LSE."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                       scale=scale)[:2]
+
+
+@torch.no_grad()
+def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float):
+    """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D], keep [Hq, nQB, Tk] ->
+    ([Tq, Hq, D], pairs computed per head [Hq] int64).
+
+    A (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the diagonal
+    block) is two attentions merged by their log-sum-exp: its earlier kept keys, gathered ([n, D], padding
+    masked by one row: every row sees them all, so no per-row mask), and its own keys, causal. All heads' blocks
+    go in one list sorted by count and cut in batches, so little is padded and a layer makes a few calls. Any
+    other block (the ragged last one, a pattern without the newest diagonal) gets its exact [rows, n] mask."""
+    (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
+    g, nqb, dev = hq // hkv, keep.shape[1], q.device
+    off, ninf = tk - tq, float("-inf")
+    rows = torch.clamp(tq - torch.arange(nqb, device=dev) * block, max=block)
+    qa = F.pad(q.float(), (0, 0, 0, 0, 0, nqb * block - tq)).transpose(0, 1).reshape(hq, nqb, 1, block, d)
+    span = -(-(tk + 1) // block) * block                                                   # Tk + pads, whole blocks
+    kf, vf = (F.pad(x.float().transpose(0, 1), (0, 0, 0, span - tk)).reshape(-1, d) for x in (k, v))  # [Hkv*span, D]
+    out = torch.zeros(hq, nqb, block, d, dtype=torch.float32, device=dev)
+    pairs = torch.zeros(hq, dtype=torch.int64, device=dev)
+    counts = keep.sum(dim=-1)                                                               # [Hq, nQB]
+    own_pos = off + torch.arange(nqb, device=dev)[:, None] * block + torch.arange(block, device=dev)  # [nQB, B]
+    own_kept = keep.gather(2, own_pos.clamp(max=tk - 1)[None].expand(hq, -1, -1)).all(dim=-1)      # [Hq, nQB]
+    split = own_kept & (rows == block)[None]
+    hs, ms = split.nonzero(as_tuple=True)
+    earlier = counts[hs, ms] - block
+    order = earlier.argsort()
+    hs, ms, earlier = hs[order], ms[order], earlier[order]
+    for a, b, n in _chunks(earlier.tolist(), block):
+        h, m, base = hs[a:b], ms[a:b], (hs[a:b] // g) * span
+        qb = qa[h, m]
+        if off % block == 0:                                                 # own keys: whole blocks of K
+            own = (base // block + off // block + m)
+            ko, vo = (x.view(-1, block, d).index_select(0, own)[:, None] for x in (kf, vf))
+        else:
+            own = (base[:, None] + own_pos[m]).flatten()
+            ko, vo = (x.index_select(0, own).view(-1, 1, block, d) for x in (kf, vf))
+        o, lse = _flash(qb, ko, vo, scale, causal=True)
+        if n > 0:
+            idx = (base[:, None] + _gather(keep[h, m], n, span - 1)).flatten()
+            pad = torch.zeros(b - a, 1, 1, n, device=dev).masked_fill_(
+                torch.arange(n, device=dev) >= earlier[a:b, None, None, None], ninf)
+            o2, lse2 = _flash(qb, kf.index_select(0, idx).view(-1, 1, n, d), vf.index_select(0, idx).view(-1, 1, n, d),
+                              scale, pad)
+            lse2.masked_fill_((earlier[a:b] == 0)[:, None, None], ninf)           # a block with no earlier key
+            o2.nan_to_num_(0.0)
+            top = torch.maximum(lse, lse2)
+            w, w2 = (lse - top).exp_(), (lse2 - top).exp_()
+            o = (o * w[..., None] + o2 * w2[..., None]) / (w + w2)[..., None]
+        out[h, m] = o[:, 0]
+    pairs.index_add_(0, hs, earlier * block + block * (block + 1) // 2)
+    for h, m in (~split & (counts > 0)).nonzero().tolist():                              # exact mask, one block
+        idx = _gather(keep[h, m:m + 1], int(counts[h, m]), span - 1)[0] + (h // g) * span
+        mask = (idx[None] - (h // g) * span) <= own_pos[m][:, None]                         # pads never pass
+        out[h, m] = F.scaled_dot_product_attention(qa[h, m], kf[idx][None], vf[idx][None], attn_mask=mask[None],
+                                                   scale=scale).nan_to_num_(0.0)[0]
+        pairs[h] += int(mask[:int(rows[m])].sum())
+    return out.flatten(1, 2)[:, :tq].transpose(0, 1).to(q.dtype), pairs.cpu()
