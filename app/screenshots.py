@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                      ("quest", {"mode": "layerwise", "policy": "quest",
                                 "policy_params": {"token_budget": 1024, "page_size": 16, "min_context": 0}}, "quest"),
                      ("minference", {"mode": "gpu", "policy": "minference",
-                                     "policy_params": {"min_len": 1024, "vertical": 256, "slash": 512}}, "masks")]
+                                     "policy_params": {"min_len": 1024, "vertical": 256, "slash": 512,   # sparse
+                                                       "cpu_dense_above": 1.0, "gpu_dense_above": 1.0}}, "masks")]
             for name, config, dock in shots:
                 window.policy_panel.set_config(config)
                 if dock is not None:

@@ -71,7 +71,7 @@ def block_pairs(blocks: torch.Tensor, block: int, tq: int, tk: int) -> torch.Ten
 def block_sparse_flex(q, k, v, blocks: torch.Tensor, block: int, scale: float):
     """Same arguments and result as engine.ops.sparse_prefill.block_sparse_attention."""
     from torch.nn.attention.flex_attention import BlockMask
-    (tq, hq, _), tk = q.shape, k.shape[0]
+    tq, tk = q.shape[0], k.shape[0]
     off = tk - tq
     nqb, nkb = blocks.shape[1:]
     m = torch.arange(nqb, device=q.device)[:, None]

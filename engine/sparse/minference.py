@@ -8,8 +8,9 @@ and the `recent` nearest diagonals always. A budget of at most 1 is a fraction o
 otherwise a count. Below `min_len` keys the layer runs dense. The estimate runs one kv head (its G query heads) at a time:
 its memory is G x last_q x Tk floats (128 MiB at 128K tokens, G = 4), never all heads at once.
 
-The pattern runs in engine.ops.sparse_prefill's Triton kernel on CUDA and engine.ops.sparse_gather elsewhere, which also counts the pairs
-each head computed; the kept columns and diagonals and that density go to the trace per (layer, head).
+The pattern runs in engine.ops.sparse_prefill's Triton kernel on CUDA and engine.ops.sparse_gather elsewhere,
+both counting the pairs each head computed; the kept columns and diagonals and that density go to the trace per
+(layer, head). Where running it would not pay, the layer runs dense and says why (engine/sparse/policy.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class MInferencePolicy(SparsePrefillPolicy):
 
     def __init__(self, **params):
         p = self.spec.validate(params)
-        super().__init__(p["min_len"], p["cpu_dense_above"])
+        super().__init__(p["min_len"], p["cpu_dense_above"], p["gpu_dense_above"])
         self.vertical, self.slash, self.last_q = p["vertical"], p["slash"], p["last_q"]
         self.sink, self.recent, self.block = p["sink"], p["recent"], p["block"]
 
@@ -70,6 +71,14 @@ class MInferencePolicy(SparsePrefillPolicy):
 
     def kernel(self, q, k, v, pat: VerticalSlash, scale):
         return vertical_slash_attention(q, k, v, pat, scale)
+
+    def pattern_density(self, pat: VerticalSlash, tq, tk):
+        """About the share the pattern keeps (within a few percent): each distance t a slash run covers reaches
+        min(tq, tk - t) queries, each vertical column c min(tq, tk - c) (overlaps counted twice)."""
+        reach = torch.clamp(tk - torch.arange(tk, device=pat.slash.device), max=tq).float()
+        runs = pat.covered(tk)[:, pat.block - 1:pat.block - 1 + tk].float() @ reach
+        cols = reach[pat.vertical.long()].sum(dim=1)
+        return min(1.0, float((runs + cols).mean()) / causal_pairs(tq, tk))
 
     def keep(self, pat: VerticalSlash, tq, tk):
         return vertical_slash_keep(pat, tq, tk)

@@ -144,13 +144,14 @@ class SparsePrefillPolicy(SparsePolicy):
     the other devices, and `record` (the pattern and its density per head to the trace).
 
     A layer runs dense, and says why (`dense_reasons`, the stats' `sparse: false, reason`), below `min_len`
-    keys, with fewer than 64 new queries, and off CUDA when its pattern keeps more pairs than the gathered path
-    can compute faster than dense attention (`cpu_dense_above`, measured: bench --cpu-prefill). A layer that ran
-    dense records no mask. This keeps the density per layer of the last prefill."""
+    keys, with fewer than 64 new queries, and when its pattern keeps more pairs than the sparse path computes
+    faster than dense attention: `cpu_dense_above` (the gathered path, measured with bench --text sample) and
+    `gpu_dense_above` (our kernels' pace per pair, measured with bench --kernels), 1 = always sparse. A layer that
+    ran dense records no mask. This keeps the density per layer of the last prefill."""
     block = 128
 
-    def __init__(self, min_len: int, cpu_dense_above: float):  # noqa: D107 - subclasses validate their parameters
-        self.min_len, self.cpu_dense_above = min_len, cpu_dense_above
+    def __init__(self, min_len: int, cpu_dense_above: float, gpu_dense_above: float):  # noqa: D107
+        self.min_len, self.cpu_dense_above, self.gpu_dense_above = min_len, cpu_dense_above, gpu_dense_above
         self._pairs: dict[int, tuple[torch.Tensor, int]] = {}   # layer -> (pairs per head, dense causal pairs)
         self.dense_reasons: dict[int, str] = {}                   # layer -> why it ran dense
 
@@ -162,6 +163,10 @@ class SparsePrefillPolicy(SparsePolicy):
         raise NotImplementedError
 
     def kernel(self, q, k, v, pattern, scale: float):
+        raise NotImplementedError
+
+    def pattern_density(self, pattern, tq: int, tk: int) -> float:
+        """The share of causal pairs the pattern keeps (a close upper bound), from the pattern alone (CUDA)."""
         raise NotImplementedError
 
     def least_density(self, tq: int, tk: int) -> float:
@@ -181,18 +186,19 @@ class SparsePrefillPolicy(SparsePolicy):
             return f"the prompt ({tk:,} tokens) is below min_len {self.min_len:,}"
         if tq < 64:
             return f"only {tq} new tokens (a cached prefix holds the rest): too few to estimate a pattern"
-        cpu = not q.is_cuda and self.cpu_dense_above < 1
-        if cpu and (least := self.least_density(tq, tk)) > self.cpu_dense_above:
-            return (f"the budgets keep at least {least:.0%} of the pairs at {tk:,} tokens: above "
-                    f"{self.cpu_dense_above:.0%} dense attention is faster on the CPU")
+        limit = self.gpu_dense_above if q.is_cuda else self.cpu_dense_above
+        where = "our GPU kernels are slower than dense attention" if q.is_cuda else \
+            "dense attention is faster on the CPU"
+        if limit < 1 and (least := self.least_density(tq, tk)) > limit:
+            return f"the budgets keep at least {least:.0%} of the pairs at {tk:,} tokens: above {limit:.0%} {where}"
         pattern = self.estimate(q, k, scale)
+        keep = None if q.is_cuda else self.keep(pattern, tq, tk)
+        if limit < 1:
+            share = self.pattern_density(pattern, tq, tk) if q.is_cuda else keep_density(keep, self.block, tq, tk)
+            if share > limit:
+                return f"the pattern keeps {share:.0%} of the pairs: above {limit:.0%} {where}"
         if q.is_cuda:
             return (*self.kernel(q, k, v, pattern, scale), pattern)
-        keep = self.keep(pattern, tq, tk)
-        share = keep_density(keep, self.block, tq, tk)
-        if cpu and share > self.cpu_dense_above:
-            return (f"the pattern keeps {share:.0%} of the pairs: above {self.cpu_dense_above:.0%} dense attention "
-                    "is faster on the CPU")
         return (*gathered_attention(q, k, v, keep, self.block, scale), pattern)
 
     def prefill_attention(self, q, k, v, layer, scale, ctx=QUIET):

@@ -162,7 +162,10 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("cpu_dense_above", float, 0.25, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
                "of the causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense "
                "attention there; measured with bench --text sample). 1 = always sparse, to study the masks.",
-               "CPU: dense above", step=0.05))),
+               "CPU: dense above", step=0.05),
+         Param("gpu_dense_above", float, 0.45, 0, 1, "on CUDA: a layer whose pattern keeps more than this share of "
+               "the causal pairs runs dense, and the stats say so (our kernels compute a pair at ~0.45x dense "
+               "attention's pace on the H100: bench --kernels). 1 = always sparse.", "GPU: dense above", step=0.05))),
     PolicySpec(
         "xattention", "XAttention", "prefill", ("gpu", "layerwise"),
         "Prefill policy: scores attention blocks by the sums of their antidiagonals and computes only the "
@@ -184,7 +187,10 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("cpu_dense_above", float, 0.25, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
                "of the causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense "
                "attention there; measured with bench --text sample). 1 = always sparse, to study the masks.",
-               "CPU: dense above", step=0.05))),
+               "CPU: dense above", step=0.05),
+         Param("gpu_dense_above", float, 0.45, 0, 1, "on CUDA: a layer whose pattern keeps more than this share of "
+               "the causal pairs runs dense, and the stats say so (our kernels compute a pair at ~0.45x dense "
+               "attention's pace on the H100: bench --kernels). 1 = always sparse.", "GPU: dense above", step=0.05))),
     PolicySpec(
         "streamingllm", "StreamingLLM", "decode", OFFLOAD,
         "Decode policy: attends to the first tokens (the attention sink) and a window of the most recent ones, "

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.ops.sparse_gather import block_sparse_keep
-from engine.ops.sparse_prefill import block_sparse_attention
+from engine.ops.flex_sparse import block_pairs
+from engine.ops.sparse_prefill import block_sparse_attention, causal_pairs
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 
@@ -33,7 +34,7 @@ class XAttentionPolicy(SparsePrefillPolicy):
 
     def __init__(self, **params):
         p = self.spec.validate(params)
-        super().__init__(p["min_len"], p["cpu_dense_above"])
+        super().__init__(p["min_len"], p["cpu_dense_above"], p["gpu_dense_above"])
         self.threshold, self.stride, self.block, self.chunk_rows = p["threshold"], p["stride"], p["block"], p["chunk_rows"]
         if self.block % self.stride:
             raise ConfigError(f"xattention stride {self.stride} must divide the block of {self.block} tokens")
@@ -81,6 +82,9 @@ class XAttentionPolicy(SparsePrefillPolicy):
 
     def kernel(self, q, k, v, blocks, scale):
         return block_sparse_attention(q, k, v, blocks, self.block, scale)
+
+    def pattern_density(self, blocks, tq, tk):
+        return float(block_pairs(blocks, self.block, tq, tk).sum()) / (blocks.shape[0] * causal_pairs(tq, tk))
 
     def keep(self, blocks, tq, tk):
         return block_sparse_keep(blocks, self.block, tq, tk)

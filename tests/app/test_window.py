@@ -303,7 +303,7 @@ def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
         params["cpu_dense_above"].setValue(1.0)                 # sparse anyway, to see the masks
         ask(qtbot, window, QUESTION)
         assert window.worker.engine_config["policy_params"] == {"vertical": 0.1, "slash": 0.3, "min_len": 256,
-                                                                "cpu_dense_above": 1.0}
+                                                                "cpu_dense_above": 1.0, "gpu_dense_above": 0.45}
         assert window.worker.llm is llm                     # only the policy changed: switched, not rebuilt
         assert window.status.policy_label.text() == "policy: MInference"
         qtbot.waitUntil(lambda: not window.masks.showing_hint(), timeout=5000)

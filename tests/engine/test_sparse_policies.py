@@ -153,3 +153,18 @@ def test_policies_refused_where_they_cannot_run():
         make_policy("xattention", {"threshold": 1.5}, "gpu")
     with pytest.raises(ConfigError, match="stride"):
         make_policy("xattention", {"block": 64, "stride": 24}, "gpu")
+
+
+def test_pattern_density_is_what_the_kernels_compute():
+    """The CUDA gate reads the density off the pattern before running it: exact for blocks, close for slashes."""
+    from engine.ops.sparse_prefill import block_sparse_reference, causal_pairs, vertical_slash_reference
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(600, h, 32, generator=g) for h in (4, 2, 2))
+    mi = MInferencePolicy(vertical=40, slash=60, min_len=1, block=64)
+    pat = mi.estimate(q, k, 0.17)
+    exact = vertical_slash_reference(q, k, v, pat, 0.17)[1].sum().item() / (4 * causal_pairs(600, 600))
+    assert mi.pattern_density(pat, 600, 600) == pytest.approx(exact, rel=0.1)
+    xa = XAttentionPolicy(threshold=0.6, min_len=1, block=64, stride=8)
+    blocks = xa.estimate(q, k, 0.17)
+    exact = block_sparse_reference(q, k, v, blocks, 64, 0.17)[1].sum().item() / (4 * causal_pairs(600, 600))
+    assert xa.pattern_density(blocks, 600, 600) == pytest.approx(exact)

@@ -183,7 +183,8 @@ def test_gathered_block_sparse_equals_the_definition(tq, tk, block):
 def test_gathered_keep_everything_is_dense_causal():
     from engine.ops.sparse_gather import gathered_attention
     q, k, v = inputs(80, 80)
-    keep = torch.ones(4, 5, 80, dtype=torch.bool) & (torch.arange(80)[None, None] < (torch.arange(1, 6) * 16)[None, :, None])
+    ends = torch.arange(1, 6) * 16                                                    # each block's end
+    keep = (torch.arange(80)[None] < ends[:, None])[None].expand(4, -1, -1)
     out, pairs = gathered_attention(q, k, v, keep, 16, 0.3)
     causal = torch.ones(80, 80, dtype=torch.bool).tril()[None].expand(4, -1, -1)
     assert torch.allclose(out, dense_masked(q, k, v, causal, 0.3), atol=1e-5)

@@ -53,6 +53,15 @@ def test_block_sparse_dispatch_flex_at_real_shapes(tq, tk, d, dtype):
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
+def test_a_dense_pattern_runs_dense_on_the_gpu_and_says_why():
+    prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(shape=shape_config("qwen3-4b"), dtype="bfloat16", max_model_len=4096, mode="gpu", kv_block_size=256,
+              num_kv_blocks=32, policy="xattention", policy_params={"min_len": 1024})   # random weights: ~0.9
+    st = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0].stats.policy_stats
+    llm.close()
+    assert st["sparse"] is False and "our GPU kernels are slower than dense attention" in st["reason"]
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_vertical_slash_kernel_block_128_default_tiles(d):
     q, k, v = _qkv(3000, 4133, d=d)
@@ -64,8 +73,9 @@ def test_vertical_slash_kernel_block_128_default_tiles(d):
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
-@pytest.mark.parametrize("policy,params", [("minference", {"vertical": 256, "slash": 512, "min_len": 1024, "block": 64}),
-                                           ("xattention", {"threshold": 0.8, "min_len": 1024})])
+@pytest.mark.parametrize("policy,params", [("minference", {"vertical": 256, "slash": 512, "min_len": 1024, "block": 64,
+                                                          "gpu_dense_above": 1.0}),
+                                           ("xattention", {"threshold": 0.8, "min_len": 1024, "gpu_dense_above": 1.0})])
 def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     outs = []

@@ -52,7 +52,8 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     other.set_config(policy.config())
     assert other.config() == cfg
     xa = {"mode": "gpu", "kv_block_size": 256, "policy": "xattention",
-          "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096, "cpu_dense_above": 0.25}}
+          "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096, "cpu_dense_above": 0.25,
+                            "gpu_dense_above": 0.45}}
     other.set_config(xa)
     assert other.config() == xa   # no offload knobs in gpu mode
 
@@ -62,9 +63,10 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     with qtbot.waitSignal(policy.config_changed) as changed:
         policy.policy_combo.setCurrentIndex(policy.policy_combo.findData("minference"))
     assert changed.args[0]["policy_params"] == {"vertical": 1000, "slash": 6096, "min_len": 8192,
-                                                  "cpu_dense_above": 0.25}   # the engine's
+                                                  "cpu_dense_above": 0.25, "gpu_dense_above": 0.45}   # the engine's
     mi = {"mode": "gpu", "kv_block_size": 256, "policy": "minference",
-          "policy_params": {"vertical": 0.05, "slash": 2048, "min_len": 1024, "cpu_dense_above": 1.0}}  # a fraction, counts
+          "policy_params": {"vertical": 0.05, "slash": 2048, "min_len": 1024, "cpu_dense_above": 1.0,
+                            "gpu_dense_above": 1.0}}  # a fraction, counts
     other.set_config(mi)
     assert other.config() == mi
 
@@ -76,7 +78,8 @@ def test_sparse_policy_defaults_are_the_engines(policy):
         params = policy.config()["policy_params"]
         assert params == {p.name: p.default for p in SPECS[key].params if p.panel}, key   # the engine's defaults
         make_policy(key, params, "gpu")                    # the engine takes them as they are
-    assert list(policy.config()["policy_params"]) == ["threshold", "stride", "min_len", "cpu_dense_above"]
+    assert list(policy.config()["policy_params"]) == ["threshold", "stride", "min_len", "cpu_dense_above",
+                                                       "gpu_dense_above"]
 
 
 def test_policies_the_engine_lacks_are_disabled(policy):
