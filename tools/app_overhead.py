@@ -2,8 +2,8 @@
 
     python tools/app_overhead.py [--runs 3] [--tokens 128] [--mode gpu] [--json out.json]
 
-Without the app: a fresh process builds the LLM with the app's engine keyword arguments and streams the same chat
-messages (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
+Without the app: a fresh process builds the LLM with the app's engine keyword arguments, warms it up as the CLI
+does, and streams the same chat messages (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
 With the app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the
 same question through its chat box. The two alternate, `--runs` each, after one warm-up each; medians are
 reported with the ratio, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
@@ -32,6 +32,7 @@ from app.prompt import document_messages
 from engine import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
 llm = LLM(**cfg["engine"])
+llm.warm_up()                     # as the CLI and the app do at load (CUDA: kernels compiled, graphs captured)
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
 out = []

@@ -138,3 +138,22 @@ def test_the_engine_thread_keeps_one_python_thread_state(qtbot, thread_class, ke
         for obj in (probe, sender, thread):   # deleted here, not by a later garbage collection on another thread
             shiboken6.delete(obj)
     assert seen == ([None, 0, 1] if keeps else [None, None, None])
+
+
+def test_streamed_text_is_batched_at_speed_and_nothing_is_lost(worker, monkeypatch):
+    """At GPU speed a signal per token kept the GUI thread busy: text goes out at most every TEXT_EVERY_S, and the
+    pieces still add up to the whole answer (the last piece is sent before the turn ends)."""
+    import app.worker as w
+    pieces = []
+    worker.answer_text.connect(pieces.append)
+    worker.new_chat()
+    worker.ask("Who keeps the log?", {"max_tokens": 12, "temperature": 0.0}, "")
+    every_token = len(pieces)
+    answer = worker.history[-1]["content"]
+    assert "".join(pieces) == answer and every_token > 1
+    pieces.clear()
+    monkeypatch.setattr(w, "TEXT_EVERY_S", 60.0)          # slower than the whole turn: the first piece and the rest
+    worker.new_chat()
+    worker.ask("Who keeps the log?", {"max_tokens": 12, "temperature": 0.0}, "")
+    assert "".join(pieces) == worker.history[-1]["content"] == answer and len(pieces) == 2
+    worker.answer_text.disconnect(pieces.append)
