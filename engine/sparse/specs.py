@@ -159,7 +159,7 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("recent", int, 128, 0, 1 << 20, "nearest diagonals always kept", panel=False),
          Param("block", int, 128, help="kernel tile of the pattern (tokens)", choices=(16, 32, 64, 128),
                panel=False),
-         Param("cpu_dense_above", float, 0.25, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
+         Param("cpu_dense_above", float, 0.35, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
                "of the causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense "
                "attention there; measured with bench --text sample). 1 = always sparse, to study the masks.",
                "CPU: dense above", step=0.05),
@@ -184,7 +184,7 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
                panel=False),
          Param("chunk_rows", int, 2048, 1, 1 << 20, "query rows scored at once (bounds the estimate's memory)",
                panel=False),
-         Param("cpu_dense_above", float, 0.25, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
+         Param("cpu_dense_above", float, 0.35, 0, 1, "off CUDA: a layer whose pattern keeps more than this share "
                "of the causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense "
                "attention there; measured with bench --text sample). 1 = always sparse, to study the masks.",
                "CPU: dense above", step=0.05),

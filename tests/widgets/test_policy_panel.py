@@ -52,7 +52,7 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     other.set_config(policy.config())
     assert other.config() == cfg
     xa = {"mode": "gpu", "kv_block_size": 256, "policy": "xattention",
-          "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096, "cpu_dense_above": 0.25,
+          "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096, "cpu_dense_above": 0.35,
                             "gpu_dense_above": 0.45}}
     other.set_config(xa)
     assert other.config() == xa   # no offload knobs in gpu mode
@@ -63,7 +63,7 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     with qtbot.waitSignal(policy.config_changed) as changed:
         policy.policy_combo.setCurrentIndex(policy.policy_combo.findData("minference"))
     assert changed.args[0]["policy_params"] == {"vertical": 1000, "slash": 6096, "min_len": 8192,
-                                                  "cpu_dense_above": 0.25, "gpu_dense_above": 0.45}   # the engine's
+                                                  "cpu_dense_above": 0.35, "gpu_dense_above": 0.45}   # the engine's
     mi = {"mode": "gpu", "kv_block_size": 256, "policy": "minference",
           "policy_params": {"vertical": 0.05, "slash": 2048, "min_len": 1024, "cpu_dense_above": 1.0,
                             "gpu_dense_above": 1.0}}  # a fraction, counts
