@@ -161,9 +161,12 @@ def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
     assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
 
 
+@pytest.mark.parametrize("fused", [True, False])    # torch's fused CPU kernel, or the plain fallback without it
 @pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
-def test_gathered_block_sparse_equals_the_definition(tq, tk, block):
+def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, monkeypatch):
+    from engine.ops import sparse_gather
     from engine.ops.sparse_gather import block_sparse_keep, gathered_attention, keep_density
+    monkeypatch.setattr(sparse_gather, "_CPU_FLASH", fused and sparse_gather._CPU_FLASH)
     q, k, v = inputs(tq, tk)
     nqb, nkb = -(-tq // block), -(-tk // block)
     blocks = torch.rand(4, nqb, nkb, generator=torch.Generator().manual_seed(5)) < 0.4
