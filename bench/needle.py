@@ -136,8 +136,10 @@ def main(argv=None) -> int:
         ran = [c.density for c in got if c.density]
         for n_tok in lengths if ran else []:
             at = [c.density for c in got if c.density and c.length == n_tok]
-            print(f"  @{n_tok}: prefill density {sum(d for d, _ in at) / len(at):.3f} over its sparse layers "
-                  f"({min(l for _, l in at)}-{max(l for _, l in at)} of {llm.args.num_layers} layers sparse)")
+            ran = [d for d, layers in at if layers]                  # cells where some layer ran sparse
+            mean = f"{sum(ran) / len(ran):.3f} over its sparse layers" if ran else "- (every layer dense)"
+            print(f"  @{n_tok}: prefill density {mean} ({min(l for _, l in at)}-{max(l for _, l in at)} of "
+                  f"{llm.args.num_layers} layers sparse)")
         measured = [c.recall for c in got if c.recall]
         if measured:
             layers: dict[str, list[float]] = {}
