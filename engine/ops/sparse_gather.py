@@ -1,12 +1,10 @@
 """Sparse prefill off CUDA: only the kept (query, key) pairs are computed, so the work follows the density.
 
-Both patterns (engine/ops/sparse_prefill.py) become one table first: `keep` [Hq, nQB, Tk] bool, the keys that a
-block of `block` query rows may see (vertical-slash: the slash runs and the vertical columns of the block;
-block-sparse: the kept key blocks), cut at the block's last row; causality applies per row on top. Then, per
-query head and run of query blocks, the kept keys are gathered into one padded batch [blocks, n, D] (n = the
-most keys a block of the run keeps) and attention is batched matmul - softmax - matmul in fp32 over them, so the
-cost is the kept pairs plus the padding of the batch, not Tk². The result equals the references there (dense
-attention restricted to the same mask), and the pairs it counts are the pairs it computed.
+Both patterns become one table first (engine/ops/sparse_prefill.py: `vertical_slash_keep`, `block_sparse_keep`):
+`keep` [Hq, nQB, Tk] bool, the keys a block of `block` query rows may see, cut at the block's last row; causality
+applies per row on top. `gathered_attention` then computes each block's kept keys only (see its docstring), and
+equals the references there (dense attention restricted to the same table); the pairs it counts are the pairs it
+computed.
 
 `keep_density` says beforehand what share of the causal pairs a table keeps: the policy runs dense above the
 share where the gather stops paying (see engine/sparse/policy.py), and says so.
@@ -16,39 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.ops.sparse_prefill import VerticalSlash, causal_pairs
+from engine.ops.sparse_prefill import causal_pairs, kept_first
 
 _CHUNK_FLOATS = 1 << 22    # one batch's scores: 16 MiB of fp32
 _CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")   # torch's, with the LSE
-
-
-def _block_last(nqb: int, block: int, tq: int, tk: int, device) -> torch.Tensor:
-    """Position of each query block's last row (queries are the last tq of tk positions)."""
-    return (tk - tq) + torch.clamp(torch.arange(1, nqb + 1, device=device) * block, max=tq) - 1
-
-
-def vertical_slash_keep(pat: VerticalSlash, tq: int, tk: int) -> torch.Tensor:
-    """[Hq, nQB, Tk] bool: in query block m (first position m0) key c is kept if m0 - c lies in a slash run
-    or c is a vertical column, and c is not past the block's last row."""
-    bm, hq, dev = pat.block, pat.slash.shape[0], pat.slash.device
-    nqb = -(-tq // bm)
-    cols = torch.arange(tk, device=dev)
-    m0 = (tk - tq) + torch.arange(nqb, device=dev) * bm
-    t = m0[:, None] - cols[None]                                              # [nQB, Tk]
-    at = (t + bm - 1).clamp_(0, tk + bm - 1)
-    in_run = pat.covered(tk)[:, at] & (t > -bm)[None]                         # [Hq, nQB, Tk]
-    isv = torch.zeros(hq, tk, dtype=torch.bool, device=dev)
-    isv.scatter_(1, pat.vertical.long(), True)
-    before = cols[None] <= _block_last(nqb, bm, tq, tk, dev)[:, None]
-    return (in_run | isv[:, None]) & before[None]
-
-
-def block_sparse_keep(blocks: torch.Tensor, block: int, tq: int, tk: int) -> torch.Tensor:
-    """blocks [Hq, nQB, nKB] bool -> [Hq, nQB, Tk] bool."""
-    nqb = blocks.shape[1]
-    cols = torch.arange(tk, device=blocks.device)
-    before = cols[None] <= _block_last(nqb, block, tq, tk, blocks.device)[:, None]
-    return blocks[:, :, cols // block] & before[None]
 
 
 def keep_density(keep: torch.Tensor, block: int, tq: int, tk: int) -> float:
@@ -68,15 +37,6 @@ def _chunks(counts: list[int], block: int) -> list[tuple[int, int, int]]:
             out.append((first, i, counts[i - 1]))
             first = i
     return out
-
-
-def _gather(kb: torch.Tensor, n: int, pad_to: int) -> torch.Tensor:
-    """[nb, Tk] kept keys -> [nb, n] their positions in order, the first n of each row (the rest: pad_to)."""
-    nb, tk = kb.shape
-    slot = kb.cumsum(dim=-1) - 1
-    slot = torch.where(kb & (slot < n), slot, n)
-    cols = torch.arange(tk, device=kb.device).expand(nb, -1)
-    return torch.full((nb, n + 1), pad_to, dtype=torch.long, device=kb.device).scatter_(1, slot, cols)[:, :n]
 
 
 def _flash(q, k, v, scale, mask=None, causal=False):
@@ -132,7 +92,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float):
             ko, vo = (x.index_select(0, own).view(-1, 1, block, d) for x in (kf, vf))
         o, lse = _flash(qb, ko, vo, scale, causal=True)
         if n > 0:
-            idx = (base[:, None] + _gather(keep[h, m], n, span - 1)).flatten()
+            idx = (base[:, None] + kept_first(keep[h, m], n, fill=span - 1)[1].long()).flatten()
             pad = torch.zeros(b - a, 1, 1, n, device=dev).masked_fill_(
                 torch.arange(n, device=dev) >= earlier[a:b, None, None, None], ninf)
             o2, lse2 = _flash(qb, kf.index_select(0, idx).view(-1, 1, n, d), vf.index_select(0, idx).view(-1, 1, n, d),
@@ -145,7 +105,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float):
         out[h, m] = o[:, 0]
     pairs.index_add_(0, hs, earlier * block + block * (block + 1) // 2)
     for h, m in (~split & (counts > 0)).nonzero().tolist():                              # exact mask, one block
-        idx = _gather(keep[h, m:m + 1], int(counts[h, m]), span - 1)[0] + (h // g) * span
+        idx = kept_first(keep[h, m:m + 1], int(counts[h, m]), fill=span - 1)[1][0].long() + (h // g) * span
         mask = (idx[None] - (h // g) * span) <= own_pos[m][:, None]                         # pads never pass
         out[h, m] = F.scaled_dot_product_attention(qa[h, m], kf[idx][None], vf[idx][None], attn_mask=mask[None],
                                                    scale=scale).nan_to_num_(0.0)[0]

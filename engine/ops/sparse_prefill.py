@@ -63,15 +63,15 @@ class VerticalSlash:
         return diff.cumsum(dim=1)[:, :tk + bm] > 0
 
 
-def kept_first(keep: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., n] bool -> (counts [...] int32, indices [..., width] int32: the kept positions in order, then
-    zeros). width: the most kept in a row (a host sync) unless given. One scatter, no sort."""
+def kept_first(keep: torch.Tensor, width: int | None = None, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., n] bool -> (counts [...] int32, indices [..., width] int32: the first `width` kept positions of each
+    row in order, then `fill`). width: the most kept in a row (a host sync) unless given. One scatter, no sort."""
     cnt = keep.sum(dim=-1, dtype=torch.int32)
     width = width or max(1, int(cnt.max()))
     slot = keep.cumsum(dim=-1, dtype=torch.int32) - 1
-    slot = torch.where(keep, slot, width).long()
+    slot = torch.where(keep & (slot < width), slot, width).long()
     pos = torch.arange(keep.shape[-1], device=keep.device, dtype=torch.int32).expand_as(keep)
-    idx = torch.zeros(keep.shape[:-1] + (width + 1,), dtype=torch.int32, device=keep.device)
+    idx = torch.full(keep.shape[:-1] + (width + 1,), fill, dtype=torch.int32, device=keep.device)
     return cnt, idx.scatter_(-1, slot, pos)[..., :width].contiguous()
 
 
@@ -79,6 +79,36 @@ def causal_pairs(tq: int, tk: int) -> int:
     """(query, key) pairs of dense causal attention for the last tq of tk positions."""
     off = tk - tq
     return tq * (off + 1) + tq * (tq - 1) // 2
+
+
+def _block_last(nqb: int, block: int, tq: int, tk: int, device) -> torch.Tensor:
+    """Position of each query block's last row (queries are the last tq of tk positions)."""
+    return (tk - tq) + torch.clamp(torch.arange(1, nqb + 1, device=device) * block, max=tq) - 1
+
+
+def vertical_slash_keep(pat: VerticalSlash, tq: int, tk: int) -> torch.Tensor:
+    """[Hq, nQB, Tk] bool: in query block m (first position m0) key c is kept if m0 - c lies in a slash run
+    or c is a vertical column, and c is not past the block's last row."""
+    bm, hq, dev = pat.block, pat.slash.shape[0], pat.slash.device
+    nqb = -(-tq // bm)
+    cols = torch.arange(tk, device=dev)
+    m0 = (tk - tq) + torch.arange(nqb, device=dev) * bm
+    t = m0[:, None] - cols[None]                                              # [nQB, Tk]
+    at = (t + bm - 1).clamp_(0, tk + bm - 1)
+    in_run = pat.covered(tk)[:, at] & (t > -bm)[None]                         # [Hq, nQB, Tk]
+    isv = torch.zeros(hq, tk, dtype=torch.bool, device=dev)
+    isv.scatter_(1, pat.vertical.long(), True)
+    before = cols[None] <= _block_last(nqb, bm, tq, tk, dev)[:, None]
+    return (in_run | isv[:, None]) & before[None]
+
+
+def block_sparse_keep(blocks: torch.Tensor, block: int, tq: int, tk: int) -> torch.Tensor:
+    """blocks [Hq, nQB, nKB] bool -> [Hq, nQB, Tk] bool."""
+    nqb = blocks.shape[1]
+    cols = torch.arange(tk, device=blocks.device)
+    before = cols[None] <= _block_last(nqb, block, tq, tk, blocks.device)[:, None]
+    return blocks[:, :, cols // block] & before[None]
+
 
 
 # ------------------------------------------------------------------------------------------------ torch reference
@@ -101,32 +131,23 @@ def _masked_attention(q, k, v, scale, mask_rows, chunk=1024):
     return out, pairs
 
 
-def vertical_slash_reference(q, k, v, pat: VerticalSlash, scale: float):
-    tq, tk, bm = q.shape[0], k.shape[0], pat.block
-    off = tk - tq
-    cov = pat.covered(tk)
-    isv = torch.zeros(q.shape[1], tk, dtype=torch.bool, device=q.device)
-    isv.scatter_(1, pat.vertical.long(), True)
+def _keep_reference(q, k, v, keep: torch.Tensor, block: int, scale: float):
+    """Attention under a keep table (every row of a query block sees its block's keys, up to causality)."""
+    tq, tk = q.shape[0], k.shape[0]
     cols = torch.arange(tk, device=q.device)
 
-    def mask(h, rows):            # every row of a query block sees the same columns (up to causality)
-        blocks = rows // bm
-        first = int(blocks[0])
-        t = (off + torch.arange(first, int(blocks[-1]) + 1, device=q.device)[:, None] * bm) - cols[None]
-        per_block = cov[h][(t + bm - 1).clamp(0, tk + bm - 1)] & (t > -bm) | isv[h][None]      # [blocks, Tk]
-        return per_block[blocks - first] & (cols[None] <= (off + rows)[:, None])
+    def mask(h, rows):
+        return keep[h][rows // block] & (cols[None] <= (tk - tq + rows)[:, None])
     return _masked_attention(q, k, v, scale, mask)
+
+
+def vertical_slash_reference(q, k, v, pat: VerticalSlash, scale: float):
+    return _keep_reference(q, k, v, vertical_slash_keep(pat, q.shape[0], k.shape[0]), pat.block, scale)
 
 
 def block_sparse_reference(q, k, v, blocks: torch.Tensor, block: int, scale: float):
     """blocks [Hq, nQB, nKB] bool."""
-    tq, tk = q.shape[0], k.shape[0]
-    off = tk - tq
-    cols = torch.arange(tk, device=q.device)
-
-    def mask(h, rows):
-        return blocks[h][rows // block][:, cols // block] & (cols[None] <= (off + rows)[:, None])
-    return _masked_attention(q, k, v, scale, mask)
+    return _keep_reference(q, k, v, block_sparse_keep(blocks, block, q.shape[0], k.shape[0]), block, scale)
 
 
 # ------------------------------------------------------------------------------------------------ Triton kernels

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.sparse_gather import vertical_slash_keep
-from engine.ops.sparse_prefill import VerticalSlash, causal_pairs, vertical_slash_attention
+from engine.ops.sparse_prefill import VerticalSlash, causal_pairs, vertical_slash_attention, vertical_slash_keep
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 

@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.ops.sparse_gather import block_sparse_keep
 from engine.ops.flex_sparse import block_pairs
-from engine.ops.sparse_prefill import block_sparse_attention, causal_pairs
+from engine.ops.sparse_prefill import block_sparse_attention, block_sparse_keep, causal_pairs
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 

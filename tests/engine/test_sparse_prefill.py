@@ -152,7 +152,8 @@ GATHER_CASES = [(70, 70, 16), (45, 77, 16), (64, 64, 16), (96, 96, 32), (40, 100
 @pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
 def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
     """The CPU path computes exactly the pattern's pairs (GQA: 4 query heads on 2 kv heads)."""
-    from engine.ops.sparse_gather import gathered_attention, vertical_slash_keep
+    from engine.ops.sparse_gather import gathered_attention
+    from engine.ops.sparse_prefill import vertical_slash_keep
     q, k, v = inputs(tq, tk)
     pat = VerticalSlash(sorted_pick(tk, 4, 6, 1, forced=(0, 1)), sorted_pick(tk, 4, 5, 2, forced=(0,)), block)
     allowed = vs_allowed(pat, tq, tk)
@@ -165,7 +166,8 @@ def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
 @pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
 def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, monkeypatch):
     from engine.ops import sparse_gather
-    from engine.ops.sparse_gather import block_sparse_keep, gathered_attention, keep_density
+    from engine.ops.sparse_gather import gathered_attention, keep_density
+    from engine.ops.sparse_prefill import block_sparse_keep
     monkeypatch.setattr(sparse_gather, "_CPU_FLASH", fused and sparse_gather._CPU_FLASH)
     q, k, v = inputs(tq, tk)
     nqb, nkb = -(-tq // block), -(-tk // block)
