@@ -92,12 +92,14 @@ def main() -> None:
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LOOP = "kvscope: layer loop"
 # the split's parts: (label, [(module, owner, attribute), ...]); a kernel counts for the innermost label above it
-PARTS = (("score", [("engine.sparse.quest", "QuestPolicy", "scores")]),
+PARTS = (("score (page bounds)", [("engine.sparse.quest", "QuestPolicy", "bounds")]),
          ("select + correction (policy)", [("engine.sparse.policy", "SparsePolicy", "observe_query"),
                                            ("engine.sparse.quest", "QuestPolicy", "observe_query"),
+                                           ("engine.sparse.quest", "QuestPolicy", "observe_ahead"),
                                            ("engine.sparse.quest", "QuestPolicy", "plan_load")]),
          ("gather / copy (loads, corrections)", [("engine.offload.offload_engine", "OffloadEngine", "load_rows"),
                                                  ("engine.offload.offload_engine", "OffloadEngine", "fix_rows"),
+                                                 ("engine.offload.offload_engine", "OffloadEngine", "fetch_rows"),
                                                  ("engine.offload.offload_engine", "OffloadEngine", "load")]),
          ("attention", [("engine.offload.layerwise", None, "decode_attention"),
                         ("engine.offload.decode_graphs", None, "decode_attention")]))

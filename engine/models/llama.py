@@ -78,6 +78,12 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_attn.project(x, cos_sin)
         return q, k, v, residual
 
+    def query(self, residual: torch.Tensor, cos_sin) -> torch.Tensor:
+        """The query [T, Hq, D] this layer makes from the residual stream `residual` (its input's sum, before the
+        norm). Given the layer before's input instead, a guess of this layer's query one layer early: the
+        residual stream changes little from layer to layer (InfiniGen, Lee et al., 2024)."""
+        return self.self_attn.project(self.input_layernorm(residual), cos_sin)[0]
+
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor):
         """Attention output o [T, Hq, D] -> (h, residual): o_proj, the post norm fused with the residual add, MLP."""
         x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o.flatten(1)), residual)

@@ -109,13 +109,15 @@ class ChunkedRunner(OffloadRunner):
             g = 1 if is_prefill else self.group
             return [(layer, list(earlier[i:i + g])) for i in range(0, len(earlier), g)], None
         bs, n = self.block_size, plan.rows.shape[1]
-        return [(layer, plan.rows[:, j:j + bs], j) for j in range(0, n, bs)], plan.device_tail
+        moved = n if plan.moved is None else plan.moved                  # the rows before it are not -1
+        return [(layer, plan.rows[:, j:j + bs], j, max(0, min(bs, moved - j))) for j in range(0, n, bs)], \
+            plan.device_tail
 
     def _issue(self, slot: int, item: tuple) -> None:
         if isinstance(item[1], list):
             self.oe.load(slot, item[0], item[1])
         else:
-            self.oe.load_rows(slot, item[0], item[1])
+            self.oe.load_rows(slot, item[0], item[1], item[3])
 
     def _earlier_block(self, q, o, lse, loads, first: int, i: int, rec, fix=None):
         """Attend to the i-th load of this chunk (an earlier block, a decode group of blocks, or a pack of planned

@@ -6,7 +6,8 @@ tokens with Quest, ~2 ms of Python and launches per layer, 21 ms of GPU work per
 host time. A graph replays them in one launch. Everything around the compute stays eager and per step: waits
 on the copy events, the partly filled block copied in, the offloads, the policy's planning, the prefetches.
 A policy that looks at the layer's query before its attention (Quest's correction) splits the layer in two
-graphs: q, k, v and the KV store; then, after the policy's eager step, the attention and the rest.
+graphs: q, k, v and the KV store (and, for a policy that looks ahead, the next layer's query guessed from this
+layer's input: `q_next`); then, after the policy's eager step, the attention and the rest.
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors the step fills before the replays: hidden state and residual (updated in place
@@ -42,6 +43,7 @@ class DecodeGraphs:
         self.cos = torch.zeros(1, 1, a.head_dim, dtype=dt, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.q = torch.zeros(1, a.num_heads, a.head_dim, dtype=dt, device=dev)
+        self.q_next = torch.zeros_like(self.q)
         self.meta = torch.zeros(2, 3, dtype=torch.long, device=dev)
         self._staging = torch.zeros(STAGING_ROWS, 3, dtype=torch.long, pin_memory=True)
         self._next_row = 0
@@ -66,15 +68,16 @@ class DecodeGraphs:
             self._meta_now[v] = values
 
     def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int],
-            between: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            between: Callable[[torch.Tensor], None] | None = None, ahead: bool = False) -> torch.Tensor:
         """Replay (capturing on first use) the layer's compute over buffer `buf` in layout v (0 whole blocks,
         1 packed rows), the new token at (block, offset) = meta[:2] and meta[2] tokens attended. `between(q)`,
-        if given, runs eagerly after q is made and before the attention. -> q [1, Hq, D] (static)."""
+        if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention.
+        -> q [1, Hq, D] (static)."""
         self._set_meta(v, meta)
-        parts = ("all",) if between is None else ("pre", "post")
+        parts = ("all",) if between is None else ("guess" if ahead else "pre", "post")
         for part in parts:
             self._replay((layer, buf, v, part))
-            if part == "pre":
+            if part in ("pre", "guess"):
                 between(self.q)
         return self.q
 
@@ -94,11 +97,13 @@ class DecodeGraphs:
     def _body(self, layer: int, buf: int, v: int, part: str) -> None:
         K, V = self.kv_views(buf)
         mod = self.model.layers[layer]
-        if part in ("all", "pre"):
+        if part != "post":
             slots = self.meta[v, :2, None]
             q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin),
                              lambda k, v_, a, b: store_kv(k, v_, K, V, slots), self.chunk)
             self.q.copy_(q)
+            if part == "guess" and layer + 1 < len(self.model.layers):
+                self.q_next.copy_(self.model.layers[layer + 1].query(self.residual, (self.cos, self.sin)))
         if part in ("all", "post"):
             o = decode_attention(self.q, K, V, self.table, self.meta[v, 2:3], self.scale)
             mod.post_rows(o, self.h, self.residual, self.chunk)

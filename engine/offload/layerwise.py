@@ -87,8 +87,9 @@ class LayerwiseRunner(OffloadRunner):
                 if observe and policy.wants_layer_keys:
                     ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
                 if graphs is not None:               # decode: q out, h and residual in place
-                    between = None if not observe else (lambda q: self._observe(l, buf, q[0], ctx))
-                    graphs.run(l, buf, int(packed is not None), (*new, context), between)
+                    between = None if not observe else (
+                        lambda q: self._observe(l, buf, q[0], ctx, lambda: graphs.q_next[0]))
+                    graphs.run(l, buf, int(packed is not None), (*new, context), between, policy.looks_ahead)
                 else:
                     with rec.span(COMPUTE, "attention", l):
                         K, V = oe.kv_views(buf)
@@ -98,7 +99,8 @@ class LayerwiseRunner(OffloadRunner):
                         if observe and is_prefill:   # observed once its blocks' keys are written (below)
                             q_last = q[-1].clone()   # (the prefill attention may consume q)
                         elif observe:                # decode: before the attention, which uses its choice
-                            self._observe(l, buf, q[-1], ctx)
+                            self._observe(l, buf, q[-1], ctx, lambda: model.layers[l + 1].query(
+                                residual[-1:], cos_sin)[0])
                         if is_prefill:
                             o = self._prefill_attention(q, buf, end, l, ctx)
                         else:
@@ -128,12 +130,20 @@ class LayerwiseRunner(OffloadRunner):
         flat = pos + (new[0] * bs + new[1] - (end - 1))
         return torch.stack([flat // bs, flat % bs])
 
-    def _observe(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext) -> None:
+    def _observe(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext, guess) -> None:
         """Decode: show the policy the layer's query (q [Hq, D]) before its attention; apply the correction it
-        returns."""
-        fix = self.policy.observe_query(l, q, ctx)
+        returns. A policy that looks ahead then sees the next layer's query as guessed from this layer's input
+        (`guess()`), and what it asks for is fetched on the copy stream into the next layer's buffer while this
+        layer computes (the buffer's load for this step is issued already where the ring has two slots or more;
+        the policy checks)."""
+        policy = self.policy
+        fix = policy.observe_query(l, q, ctx)
         if fix is not None:
             self.oe.fix_rows(buf, l, fix.rows, fix.dst)
+        if policy.looks_ahead and l + 1 < len(self.model.layers) and self._buffer(l + 1) != buf:
+            ahead = policy.observe_ahead(l + 1, guess(), ctx)
+            if ahead is not None:
+                self.oe.fetch_rows(self._buffer(l + 1), l + 1, ahead.rows, ahead.dst)
 
     def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):
         """Decode: put the partly filled block's tokens where the attention expects them -> the new token's
@@ -217,7 +227,7 @@ class LayerwiseRunner(OffloadRunner):
             return
         if self._packed[buf] is not None and self._packed[buf][3] == plan.key:
             return                   # already loaded (the previous step's prefetch)
-        self.oe.load_rows(buf, layer, plan.rows)
+        self.oe.load_rows(buf, layer, plan.rows, plan.moved)
         self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key)
 
     def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool, ctx: StepContext) -> None:

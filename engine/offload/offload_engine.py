@@ -184,7 +184,7 @@ class OffloadEngine:
             rec.slot_state(slot, layer, READY, tokens, cap, event=self.loaded[buf])
         self.bytes_h2d += nbytes
 
-    def load_rows(self, buf: int, layer: int, rows: torch.Tensor, **trace) -> None:
+    def load_rows(self, buf: int, layer: int, rows: torch.Tensor, moved: int | None = None, **trace) -> None:
         """Per-kv-head tokens of `layer` -> packed into the buffer: rows[h, j] (a host-pool token, block *
         block_size + offset) lands at token j of head h, so each head attends to its own selection through one
         block table. One gather per load, never a copy per token or page: on CUDA a Triton kernel reads the pinned
@@ -201,7 +201,7 @@ class OffloadEngine:
         gather = gather_rows if cuda else gather_rows_reference
         self.held[buf] = {}                                              # packed rows: no whole blocks held
         self.owner[buf] = None
-        nbytes = hkv * n * two * d * self.dtype.itemsize
+        nbytes = hkv * (n if moved is None else moved) * two * d * self.dtype.itemsize   # moved: rows not -1
         slot = buf if buf < self.ring_slots else None
         self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows),
                                         (self.free[buf], self.read[buf], self.loaded[buf], self.layer_written[layer],
@@ -213,10 +213,22 @@ class OffloadEngine:
     def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """Host-pool rows -> packed positions dst_rows of a loaded buffer, on the compute stream (a correction
         right before attention; rows of -1 are skipped). How many it moved is known on the device only: the policy
-        counts them (Quest's `quest_fetched`), bytes_h2d does not."""
+        counts them (Quest's `quest_fetched`) and the runner adds their bytes after the step."""
         from engine.ops.triton_gather import gather_rows, gather_rows_reference
         gather = gather_rows if self.device.type == "cuda" else gather_rows_reference
         gather(self._source(layer), self.buffers[buf], rows, dst_rows)
+
+    def fetch_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """`fix_rows` on the copy stream, after the compute issued so far (which made rows and dst_rows) and the
+        buffer's load: a correction made ahead of the layer that reads the buffer (it waits for it)."""
+        from engine.ops.triton_gather import gather_rows, gather_rows_reference
+        gather = gather_rows if self.device.type == "cuda" else gather_rows_reference
+        src, dst = self._source(layer), self.buffers[buf]
+        slot = buf if buf < self.ring_slots else None
+        self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows, dst_rows),
+                                        (self.loaded[buf], compute_done(self.device, self.compute)),
+                                        recorder=self.recorder, name=f"fetch L{layer} rows ahead", layer=layer,
+                                        slot=slot, compute=self.compute)
 
     def _source(self, layer: int) -> torch.Tensor:
         """One layer of the host pool as kernels read it: on CUDA through the pool's device mapping."""

@@ -90,6 +90,10 @@ class OffloadRunner:
         with rec.span(HOST, "sample"):
             tokens = self.sampler(logits, [seq.params], [seq.seq_id])
         self.policy.end_step(ctx)      # after the sampler's sync: what the policy reads of the step is ready
+        fixed = self.policy.fetched_rows() * 2 * self.args.head_dim * self.dtype.itemsize   # K and V rows
+        self.last_step_bytes = (self.last_step_bytes[0] + fixed, self.last_step_bytes[1])
+        seq.bytes_h2d += fixed
+        self.oe.bytes_h2d += fixed
         if self.device.type != "cuda" and rec.enabled:
             self.oe.synchronize()  # CPU: the step's copies land in the step's trace
         return tokens

@@ -3,9 +3,13 @@
 A decode policy that loads part of a layer's KV (Quest, StreamingLLM) names, per kv head, the tokens to bring:
 `rows[h, j]` is a token of the layer's host pool (block * block_size + offset), packed at position j of the
 buffer, or at `dst_rows[h, j]` when given (a correction that replaces some rows in place). A row of -1 is
-skipped. Grid (Hkv, ceil(n / R), 2): a program copies R rows of one kv head, K or V, each row D contiguous
-elements. On CUDA the source is the pinned host pool seen through its device mapping, so the reads cross PCIe
-once, straight into place (no staging copy); runs of consecutive tokens (a page) are consecutive addresses.
+skipped. The work is cut in chunks of R rows of one kv head, K or V (each row D contiguous elements), and a
+small fixed grid of PROGRAMS programs loops over them: on CUDA the source is the pinned host pool seen through
+its device mapping, so the reads cross PCIe once, straight into place (no staging copy), and a program spends
+most of its time waiting on PCIe. One program per chunk (thousands) filled the GPU's thread slots with waiting
+loads and starved the compute stream's kernels running beside the copy (measured on an H100, Quest at 128K: a
+100 KB device copy took 170 µs instead of 3); a few dozen programs keep enough reads in flight for PCIe's pace
+and leave the SMs to the compute. Runs of consecutive tokens (a page) are consecutive addresses.
 `gather_rows_reference` is the same operation in torch: the CPU path and the test reference.
 
 Layouts (elements): src [blocks, 2, Hkv, block_size, D] (one layer of the host pool), dst
@@ -19,7 +23,8 @@ try:
 except ImportError:  # CPU-only installs use the reference
     triton = None
 
-ROWS = 16   # rows per program
+ROWS = 32       # rows per chunk (8 KiB of a 128-dim bf16 head)
+PROGRAMS = 32   # programs looping over the chunks (see the module docstring)
 
 
 def gather_rows_reference(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
@@ -39,26 +44,29 @@ def gather_rows_reference(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _gather_rows_kernel(src, dst, rows, dst_rows, n, s_row, s_dst, s_blk, s_kv, s_head, s_tok, d_blk, d_kv, d_head, d_tok,
-                            BS: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_DST: tl.constexpr):
-        h = tl.program_id(0)
-        j = tl.program_id(1) * R + tl.arange(0, R)
-        kv = tl.program_id(2)
-        inside = j < n
-        tok = tl.load(rows + h * s_row + j, mask=inside, other=-1).to(tl.int64)
-        if HAS_DST:
-            to = tl.load(dst_rows + h * s_dst + j, mask=inside, other=-1).to(tl.int64)
-        else:
-            to = j.to(tl.int64)
-        ok = (tok >= 0) & inside
+    def _gather_rows_kernel(src, dst, rows, dst_rows, n, chunks, s_row, s_dst, s_blk, s_kv, s_head, s_tok, d_blk, d_kv,
+                            d_head, d_tok, BS: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_DST: tl.constexpr):
+        per_head = tl.cdiv(n, R)
         cols = tl.arange(0, D)[None, :]
-        base = (tok // BS) * s_blk + kv * s_kv + h * s_head + (tok % BS) * s_tok
-        x = tl.load(src + base[:, None] + cols, mask=ok[:, None], other=0.0)
-        out = (to // BS) * d_blk + kv * d_kv + h * d_head + (to % BS) * d_tok
-        tl.store(dst + out[:, None] + cols, x, mask=ok[:, None])
+        for c in range(tl.program_id(0), chunks, tl.num_programs(0)):   # chunk c: (K or V, head, rows j)
+            kv = c % 2
+            h = (c // 2) // per_head
+            j = ((c // 2) % per_head) * R + tl.arange(0, R)
+            inside = j < n
+            tok = tl.load(rows + h * s_row + j, mask=inside, other=-1).to(tl.int64)
+            if HAS_DST:
+                to = tl.load(dst_rows + h * s_dst + j, mask=inside, other=-1).to(tl.int64)
+            else:
+                to = j.to(tl.int64)
+            ok = (tok >= 0) & inside
+            base = (tok // BS) * s_blk + kv * s_kv + h * s_head + (tok % BS) * s_tok
+            x = tl.load(src + base[:, None] + cols, mask=ok[:, None], other=0.0)
+            out = (to // BS) * d_blk + kv * d_kv + h * d_head + (to % BS) * d_tok
+            tl.store(dst + out[:, None] + cols, x, mask=ok[:, None])
 
 
-def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor | None = None) -> None:
+def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor | None = None,
+                programs: int = PROGRAMS) -> None:
     """dst <- per-head rows of src (see the module docstring). rows (and dst_rows): int64 [Hkv, n] on dst's device,
     each head's row contiguous (a column slice of a wider tensor is fine)."""
     if triton is None or src.stride(-1) != 1 or dst.stride(-1) != 1:
@@ -68,7 +76,8 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_ro
         return
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()       # a view of a plan: rows may be strided
     dst_rows = rows if dst_rows is None else dst_rows if dst_rows.stride(-1) == 1 else dst_rows.contiguous()
-    _gather_rows_kernel[(hkv, triton.cdiv(n, ROWS), 2)](
-        src, dst, rows, dst_rows, n, rows.stride(0), dst_rows.stride(0), *src.stride()[:4], *dst.stride()[:4], BS=src.shape[3], R=ROWS, D=src.shape[4],
-        HAS_DST=dst_rows is not rows, num_warps=4)
+    chunks = hkv * triton.cdiv(n, ROWS) * 2
+    _gather_rows_kernel[(min(chunks, programs),)](
+        src, dst, rows, dst_rows, n, chunks, rows.stride(0), dst_rows.stride(0), *src.stride()[:4], *dst.stride()[:4],
+        BS=src.shape[3], R=ROWS, D=src.shape[4], HAS_DST=dst_rows is not rows, num_warps=4)
 

@@ -13,7 +13,10 @@ A policy decides; a runner executes. The runners call these hooks and know nothi
   all of them). Loads run ahead of the query, so a plan is made from an earlier query; `observe_query(layer, q,
   ctx)` then shows the policy the layer's own query before its attention, and may return a `RowFix` that
   corrects what was loaded (Quest fetches the pages the query chooses that the plan lacked). Layerwise mode
-  also shows it the prompt's last query of each layer at prefill (it chooses the first decode step's pages).
+  also shows it the prompt's last query of each layer at prefill (it chooses the first decode step's pages),
+  and, to policies that `look_ahead`, a guess of the next layer's query made from this layer's input:
+  `observe_ahead(layer, q, ctx)` may return a `RowFix` that the runner fetches on the copy stream, ahead of
+  that layer.
 - `end_step(ctx)` once per step; `step_metrics()`: figures of the step that just ran, for its trace.
 
 A policy reports what it decided to `ctx.recorder`; it never touches a stream, a ring slot or the host pool.
@@ -55,6 +58,7 @@ class LoadPlan:
     rows: torch.Tensor
     device_tail: int
     key: tuple
+    moved: int | None = None     # rows per kv head that are not -1 (None: all): the bytes the load moves
 
 
 @dataclass
@@ -69,6 +73,7 @@ class SparsePolicy:
     spec: PolicySpec = SPECS["full"]
     plans_loads = False          # decode: the runner asks plan_load / shows observe_query each layer's query
     wants_layer_keys = False     # observe_query needs ctx.layer_keys() (all of the layer's keys; slow)
+    looks_ahead = False          # layerwise decode: observe_ahead gets each next layer's guessed query
     one_call_bytes = 2**29       # dense prefill: q up to 512 MiB (32K tokens of Qwen3-4B) in one call
 
     def __init__(self, **params):
@@ -124,6 +129,14 @@ class SparsePolicy:
 
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
         return None
+
+    def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+        return None
+
+    def fetched_rows(self) -> int:
+        """Rows (one kv head's token) its `RowFix`es moved in the step `end_step` just closed: the runner adds
+        their bytes to the step's host-to-device bytes (their count is known on the device only until then)."""
+        return 0
 
     def end_step(self, ctx: StepContext) -> None:
         pass

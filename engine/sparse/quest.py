@@ -18,23 +18,30 @@ Layers below `dense_layers`, contexts up to B and contexts below `min_context` l
 
 At decode the runner loads each layer ahead of its query: `plan_load` hands out the rows of the sink, of the
 pages chosen with the layer's previous query (the speculation), and of the window's part in the host pool.
-`observe_query` then sees the layer's own query before its attention: it scores the candidates, and the pages
-it chooses that were not loaded are fetched in place of the ones it dropped (a `RowFix`), so attention always
-uses the current query's choice; that choice is also the next step's speculation. All the selection state
-lives here, per layer.
+`observe_query` then sees the layer's own query before its attention: it chooses, and the pages it chooses that
+the buffer lacks are fetched in place of the ones it dropped (a `RowFix`), so attention always uses the current
+query's choice; that choice is the next step's speculation. Where a choice kept less than half of the previous
+one (random weights: ~10% at 128K), the next plan leaves the speculation out (it would only move bytes twice)
+and the correction fetches every page. With `look_ahead` (layerwise), `observe_ahead` also sees a guess of the
+layer's query made one layer early and fetches what that guess chooses on the copy stream before the layer runs.
+The slots of a buffer (which page each packed place holds) are tracked on the device; the last slot, cut short
+by the window, always holds the lowest-scored chosen page, so what is attended never depends on what was loaded.
 
 The decode work has static shapes (every page a sequence can have is scored, the ones that are no candidates
 masked; the step's context enters through small device tensors set once per step), so on CUDA a layer's
-scoring, selection, correction and next plan are one graph replay, and nothing in it waits for the host.
-The rows a plan loads are kept per context parity: the loads for the next step read one copy while this
-step's choices are written to the other. A plan's rows are [sink | the window's host part | the chosen pages, best
-first]; the last g rows of the pages fall past the plan's end (the truncation above).
+scoring, selection, correction and next plan are one graph replay of three kernels and a few small ops
+(engine/ops/quest_score.py, engine/ops/quest_select.py), and nothing in it waits for the host. The rows a plan
+loads are kept per context parity: the loads for the next step read one copy while this step's choices are
+written to the other. A plan's rows are [sink | the window's host part | the chosen pages]; the last g rows of
+the last page fall past the plan's end (the truncation above).
 """
 from __future__ import annotations
 
 import torch
 
 from engine.errors import ConfigError
+from engine.ops.quest_score import page_bounds, page_bounds_reference
+from engine.ops.quest_select import choose, choose_reference, correct, correct_reference, triton_runs
 from engine.sparse.policy import KVLayout, LoadPlan, RowFix, SparsePolicy
 from engine.sparse.specs import SPECS
 from engine.step import StepContext
@@ -48,6 +55,7 @@ class QuestPolicy(SparsePolicy):
         p = self.spec.validate(params)
         self.token_budget, self.page_size, self.dense_layers = p["token_budget"], p["page_size"], p["dense_layers"]
         self.min_context, self.measure_recall = p["min_context"], p["recall"]
+        self.looks_ahead = p["look_ahead"]
         self.wants_layer_keys = self.measure_recall        # read the layer's whole K each sparse step (slow)
         ps = self.page_size
         self.sink = -(-p["sink"] // ps) * ps
@@ -64,8 +72,9 @@ class QuestPolicy(SparsePolicy):
         self._planned: dict[int, int] = {}        # layer -> context_len of the speculation its buffer was given
         self._picked: list[int] = []              # layers that chose this step, for the recorder
         self._fixed: list[int] = []               # layers whose speculation this step corrected
+        self._chose: list[int] = []               # layers that chose this step after an earlier choice
         self._version = 0
-        self.selections = self.fetched = self.fixes = self.plans = 0
+        self.selections = self.fetched = self.fetched_ahead = self.fixes = self.plans = 0
         self.dense_reason = ""
 
     def initialize(self, layout: KVLayout) -> None:
@@ -93,9 +102,23 @@ class QuestPolicy(SparsePolicy):
         self._heads, self._kps = torch.arange(hkv, device=dev), torch.arange(self.k * ps, device=dev)
         self._fix_rows = torch.full((hkv, self.k * ps), -1, **lng)
         self._fix_dst = torch.zeros(hkv, self.k * ps, **lng)
-        self._fetched = torch.zeros(L, **lng)
+        self._fetched = torch.zeros(2, L, **lng)                # pages fetched per layer: by the correction, ahead
+        self._kept = torch.zeros(L, hkv, dtype=torch.int32, device=dev)   # pages of the previous choice kept
+        self._guess = torch.zeros(hkv, self.k, **lng)          # a guessed query's choice (ahead), its scores, kept
+        self._guess_scores = torch.zeros(hkv, self.k, dtype=torch.float32, device=dev)
+        self._guess_kept = torch.zeros(hkv, dtype=torch.int32, device=dev)
+        self._scratch = torch.zeros(hkv, n, dtype=torch.float32, device=dev)   # the scores of every page
+        self._kernels = dev.type == "cuda" and triton_runs()
+        self._slots = torch.full((L, hkv, self.k), -1, **lng)  # the page each packed slot of a buffer holds (-1: none)
+        self._none = torch.full((hkv, self.k), -1, **lng)
+        self._ahead_rows = torch.full((L, hkv, self.k * ps), -1, **lng)   # the fetches one layer ahead, per layer
+        self._ahead_dst = torch.zeros(L, hkv, self.k * ps, **lng)         # (the copy stream reads them later)
+        self._bare = torch.full((2, L, hkv, self.token_budget + ps), -1, **lng)   # plans without the speculation
+        self._speculate = [True] * L              # load the previous choice ahead (off where it kept < half its pages)
+        self._ahead_at: dict[int, int] = {}       # layer -> context_len of the step its pages were fetched ahead
+        self._rows_step = 0                       # rows the last step's fixes moved (end_step reads them)
         self._all_pages, self._in_page = torch.arange(n, device=dev), torch.arange(ps, device=dev)
-        self._in_block, self._k_range = torch.arange(ppb, device=dev), torch.arange(self.k, device=dev)
+        self._in_block = torch.arange(ppb, device=dev)
         self._q: torch.Tensor | None = None                    # the observed query (static: graphs read it)
         self._setup_for: tuple | None = None
         self._plan_for = [None, None]                          # the context each parity's sink/window rows are for
@@ -139,9 +162,12 @@ class QuestPolicy(SparsePolicy):
         self._recall.clear()
         self._chosen.clear()
         self._planned.clear()
-        self._picked, self._fixed, self._step = [], [], {}   # a stopped step's leftovers
+        self._picked, self._fixed, self._chose, self._step = [], [], [], {}   # a stopped step's leftovers
         self._setup_for, self._plan_for = None, [None, None]
-        self.selections = self.fetched = self.fixes = self.plans = 0
+        self._ahead_at.clear()
+        self._speculate = [True] * self.layout.num_layers
+        self._fetched.zero_()
+        self.selections = self.fetched = self.fetched_ahead = self.fixes = self.plans = 0
         self.dense_reason = ""
 
     def _rows(self, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -152,7 +178,9 @@ class QuestPolicy(SparsePolicy):
     def plan_load(self, layer: int, context_len: int, ctx: StepContext) -> LoadPlan | None:
         """The rows of the sink, of the pages chosen with an earlier query (the speculation), and of the window's
         part in the host pool, for a step whose sequence has context_len tokens; None (load all) where the layer
-        is dense or no choice was made yet. The rows are a view of this policy's plan for that context."""
+        is dense or no choice was made yet. The rows are a view of this policy's plan for that context. Where the
+        previous choice kept less than half of the one before it, the plan leaves the speculation out (its rows
+        -1): the pages then come from the guess one layer ahead (`observe_ahead`) or the correction."""
         chosen = self._chosen.get(layer)
         if chosen is None or not self.sparse(layer, context_len):
             self._planned.pop(layer, None)
@@ -163,7 +191,8 @@ class QuestPolicy(SparsePolicy):
             dev = self._pages.device                      # (the new token's block may not be in the table yet)
             fixed = self._rows(torch.cat([torch.arange(S, device=dev),
                                           torch.arange(context_len - R, context_len - tail, device=dev)]), ctx)
-            self._plan[par, :, :, :base] = fixed
+            self._plan[par, :, :, :base] = self._bare[par, :, :, :base] = fixed
+            self._bare[par, :, :, base:] = -1
             self._plan_for[par] = context_len
         if chosen[1] != context_len:                      # chosen at another step than the one before: its rows
             self._begin_plan(context_len)
@@ -171,8 +200,14 @@ class QuestPolicy(SparsePolicy):
             self._chosen[layer] = (chosen[0], context_len)
         self._planned[layer] = context_len
         self.plans += 1
-        return LoadPlan(self._plan[par, layer, :, :self.token_budget - tail], tail,
-                        ("quest", layer, chosen[0], context_len))
+        spec = self._speculate[layer]
+        if spec:
+            self._slots[layer].copy_(self._pages[layer])
+        else:
+            self._slots[layer].fill_(-1)
+        plan = self._plan if spec else self._bare
+        return LoadPlan(plan[par, layer, :, :self.token_budget - tail], tail,
+                        ("quest", layer, chosen[0], context_len, spec), None if spec else base)
 
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
         """This step's query of `layer` (q [Hq, D]), before its attention: choose the pages among the candidates;
@@ -182,13 +217,15 @@ class QuestPolicy(SparsePolicy):
             self._chosen.pop(layer, None)
             return None
         self._begin(end, ctx)
-        fix = self._planned.get(layer) == end and layer in self._chosen   # its buffer holds this step's speculation
+        fix = self._planned.get(layer) == end and layer in self._chosen   # its buffer holds this step's plan
         measure = fix and self.measure_recall and ctx.layer_keys is not None
-        old = self._pages[layer].clone() if measure else None
+        old = self._slots[layer].clone() if measure else None
         if self._q is None:
             self._q = torch.empty_like(q)
         self._q.copy_(q)
-        self._run(layer, fix)
+        if layer in self._chosen:
+            self._chose.append(layer)
+        self._run(layer, "fix" if fix else "choose")
         if measure:
             self._measure_recall(layer, q, old, end, ctx)
         self._version += 1
@@ -199,6 +236,21 @@ class QuestPolicy(SparsePolicy):
         if fix:
             self._fixed.append(layer)
         return RowFix(self._fix_rows, self._fix_dst) if fix else None
+
+    def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+        """A guess of `layer`'s query (q [Hq, D], made one layer early from the residual stream), where this step's
+        plan for it is loaded or loading: the pages it chooses that the plan lacks, to fetch ahead of the layer
+        (on the copy stream); the layer's own query then corrects what is left (`observe_query`)."""
+        end = ctx.context_len
+        if self._planned.get(layer) != end or layer not in self._chosen or not self.sparse(layer, end + 1):
+            return None
+        self._begin(end, ctx)
+        if self._q is None:
+            self._q = torch.empty_like(q)
+        self._q.copy_(q)
+        self._run(layer, "ahead")
+        self._ahead_at[layer] = end
+        return RowFix(self._ahead_rows[layer], self._ahead_dst[layer])
 
     def _layout_for(self, context_len: int) -> tuple[int, int, int]:
         """A step of context_len tokens -> its window (page aligned: R plus the tokens before it in its first page),
@@ -231,30 +283,48 @@ class QuestPolicy(SparsePolicy):
         self._n_rows.fill_(self.token_budget - tail)
         self._n_candidates = stop                             # the recorder's page count
 
-    def _run(self, layer: int, fix: bool) -> None:
+    def _run(self, layer: int, mode: str) -> None:
         """The layer's selection: eager, or (CUDA graphs) captured on its second use and replayed after."""
-        key = (layer, fix)
+        key = (layer, mode)
         graph = self._graphs.get(key)
         if graph is None and (not self._capture or key not in self._warm):
             self._warm.add(key)
-            return self._select(layer, fix)
+            return self._select(layer, mode)
         if graph is None:
             graph = self._graphs[key] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._select(layer, fix)
+                self._select(layer, mode)
             self._pool = graph.pool()
         graph.replay()
 
-    def _select(self, layer: int, fix: bool) -> None:
-        """Score every page (masked to the candidates), keep the k best per kv head, correct the loaded
-        speculation if `fix`, and write the choice and the next step's rows. Static shapes, no host sync."""
-        s = self.scores(layer, self._q, self._page_ids, self._valid)
-        top = s.topk(self.k, dim=-1).indices                                         # [Hkv, k], best first
-        if fix:
-            self._last_fix = self._fix(layer, top)
-        self._pages[layer] = top
-        self._scores[layer] = s.gather(1, top)
-        self._write_pages(layer, top, self._next)
+    def _select(self, layer: int, mode: str) -> None:
+        """Score every page (masked to the candidates) and keep the k best per kv head (engine/ops/quest_select.py).
+        "choose": that is the layer's choice; "fix": also correct the loaded slots toward it (rows to _fix_rows);
+        "ahead": a guessed query's choice, only corrects the slots (rows to the layer's _ahead_rows). Static
+        shapes, no host sync."""
+        b = self.bounds(layer, self._q, self._page_ids, self._valid)
+        ahead = mode == "ahead"
+        pages = self._guess if ahead else self._pages[layer]
+        scores = self._guess_scores if ahead else self._scores[layer]
+        kept = self._guess_kept if ahead else self._kept[layer]
+        scale = self.layout.head_dim ** -0.5
+        if self._kernels:
+            choose(b, scale, self.k, self._pages[layer], self._scratch, pages, scores, kept)
+        else:
+            top, sc, kp = choose_reference(b, scale, self.k, self._pages[layer])
+            pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
+        if mode != "choose":
+            rows, dst = (self._ahead_rows[layer], self._ahead_dst[layer]) if ahead else (self._fix_rows, self._fix_dst)
+            count = self._fetched[int(ahead), layer:layer + 1]
+            if self._kernels:
+                correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows,
+                        dst, count)
+            else:
+                r, d, c = correct_reference(pages, self._slots[layer], self._page_ids, self._base, self._n_rows,
+                                            self.page_size)
+                rows.copy_(r), dst.copy_(d), count.add_(c)
+        if not ahead:
+            self._write_pages(layer, pages, self._next)
 
     def _write_pages(self, layer: int, pages: torch.Tensor, parity: torch.Tensor) -> None:
         """The rows of the chosen pages [Hkv, k] into the plan of context parity `parity` (a device index [1]), at
@@ -262,25 +332,6 @@ class QuestPolicy(SparsePolicy):
         rows = (self._page_ids[pages][:, :, None] * self.page_size + self._in_page).flatten(1)  # [Hkv, k * ps]
         self._plan[:, layer].index_put_((parity[:, None, None], self._heads[None, :, None], self._cols[None, None]),
                                         rows[None])
-
-    def _fix(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows of the pages in `new` that the loaded speculation lacks -> the packed places of its pages that `new`
-        drops (page i of a speculation is packed at rows base + i * page_size ..., those past the plan's rows are
-        not attended); -1: nothing to do. -> (pages to fetch, their slots, which of them are fetched) [Hkv, k]."""
-        old, ps = self._pages[layer], self.page_size
-        have = (new[:, :, None] == old[:, None, :]).any(-1)                  # chosen and already loaded
-        keep = (old[:, :, None] == new[:, None, :]).any(-1)                  # loaded and still chosen
-        missing = torch.argsort(have.to(torch.int8), dim=1, stable=True)    # the pages to fetch first
-        free = torch.argsort(keep.to(torch.int8), dim=1, stable=True)       # the places to fetch them to first
-        n_missing = (~have).sum(1, keepdim=True)
-        todo = self._k_range[None] < n_missing                              # [Hkv, k]
-        fetch = new.gather(1, missing)
-        rows = self._page_ids[fetch][:, :, None] * ps + self._in_page
-        dst = self._base + free[:, :, None] * ps + self._in_page
-        self._fix_rows.copy_(rows.masked_fill_(~todo[:, :, None] | (dst >= self._n_rows), -1).flatten(1))
-        self._fix_dst.copy_(dst.flatten(1))
-        self._fetched[layer] += n_missing.sum()
-        return fetch, free, todo
 
     def end_step(self, ctx: StepContext) -> None:
         """Once per step: the step's picks go to the recorder stacked (three copies to the host, asynchronous);
@@ -292,24 +343,35 @@ class QuestPolicy(SparsePolicy):
             ctx.recorder.quest_picks(picked, self._page_ids[positions], self._scores[at],
                                      [self._n_candidates] * len(picked), positions, self.page_size)
         fixed, self._fixed = self._fixed, []
-        if fixed:
-            fetched = self._fetched.tolist()
+        chose, self._chose = self._chose, []
+        if fixed or chose:
+            fixes, ahead, kept = torch.cat([self._fetched, self._kept.sum(1)[None]]).tolist()   # one small copy
             self._fetched.zero_()
-            hkv = self.layout.num_kv_heads
-            per_layer = {l: fetched[l] / hkv for l in fixed}
-            self._step["fetched"] = per_layer
+            hkv, ps = self.layout.num_kv_heads, self.page_size
+            self._rows_step = int(sum(fixes) + sum(ahead))
+            fixes, ahead = [r / ps for r in fixes], [r / ps for r in ahead]
+            for l in chose:                        # load the previous choice ahead where it kept half its pages
+                self._speculate[l] = kept[l] / hkv >= self.k / 2
+            per_layer = {l: fixes[l] / hkv for l in fixed}
+            ahead = {l: ahead[l] / hkv for l in fixed if self._ahead_at.get(l) == ctx.context_len}
+            self._step["fetched"], self._step["fetched_ahead"] = per_layer, ahead
+            self._step["kept"] = {l: kept[l] / hkv for l in chose}
             self.fetched += sum(per_layer.values())
+            self.fetched_ahead += sum(ahead.values())
             self.fixes += len(per_layer)
+
+    def fetched_rows(self) -> int:
+        rows, self._rows_step = self._rows_step, 0
+        return rows
 
     def _measure_recall(self, layer: int, q: torch.Tensor, old: torch.Tensor, end: int, ctx: StepContext) -> None:
         """The true attention mass on what this step attended to (the speculation as corrected: what its rows
-        hold) and on what the speculation alone would have given, from the layer's whole K."""
+        hold) and on what was loaded before the layer's own query corrected it (`old`: the slots then), from the
+        layer's whole K."""
         k = ctx.layer_keys()                                                   # [Hkv, end, D]
         ps, hkv = self.page_size, k.shape[0]
         window, _, _ = self._layout_for(end)
-        fetch, free, todo = self._last_fix
-        slots = old.clone()                                                    # page in each packed slot
-        slots.scatter_(1, free, torch.where(todo, fetch, old.gather(1, free)))
+        slots = self._slots[layer]                                             # after the correction
         keep = torch.ones(self.k, ps, dtype=torch.bool, device=k.device)      # the last slot lost its tail
         keep[-1, ps - (window - self.window):] = False
         scale = self.layout.head_dim ** -0.5
@@ -318,18 +380,20 @@ class QuestPolicy(SparsePolicy):
             attended[:, :self.sink] = True
             attended[:, end - window:] = True
             tokens = (pages[:, :, None] * ps + self._in_page)[:, keep]
-            attended.scatter_(1, tokens, True)
+            attended.scatter_(1, tokens.masked_fill_(pages.repeat_interleave(keep.sum(1), 1) < 0, end - 1), True)
             r = self.recall(q, k, attended, scale)
             self.note_recall(layer, r, kind)
             self._step.setdefault(kind, {})[layer] = r.mean().item()
 
     def step_metrics(self) -> dict:
-        """This step's figures for its trace: recall (`quest_recall`: mean over the sparse layers,
-        `quest_recall_min`, `quest_recall_l<layer>`) and pages fetched by the correction per kv head
-        (`quest_fetched`, `quest_fetched_l<layer>`)."""
+        """This step's figures for its trace, per kv head: recall (`quest_recall`: mean over the sparse layers,
+        `quest_recall_min`, `quest_recall_l<layer>`), pages fetched by the correction (`quest_fetched`,
+        `quest_fetched_l<layer>`: exposed, right before the attention) and one layer ahead
+        (`quest_fetched_ahead...`: on the copy stream), and pages of the previous choice kept (`quest_kept...`)."""
         step, self._step = self._step, {}
         out = {}
-        for kind, name in (("recall", "quest_recall"), ("fetched", "quest_fetched")):
+        for kind, name in (("recall", "quest_recall"), ("fetched", "quest_fetched"),
+                           ("fetched_ahead", "quest_fetched_ahead"), ("kept", "quest_kept")):
             per = step.get(kind)
             if per:
                 out[name] = sum(per.values()) / len(per)
@@ -339,24 +403,11 @@ class QuestPolicy(SparsePolicy):
         return out
 
     # ---------------------------------------------------------------- selection
-    def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """q [Hq, D] -> upper bounds [Hkv, G, n] of q·k over the pool pages `pages` [n], per query head.
-        sum_d max(q_d min_d, q_d max_d) = [min(q, 0) | max(q, 0)] · [min | max]: one batched matmul."""
-        hkv, d = self.layout.num_kv_heads, q.shape[-1]
-        qg = q.reshape(hkv, -1, d).to(self.kb.dtype)
-        qq = torch.cat([qg.clamp(max=0), qg.clamp(min=0)], dim=-1)                  # [Hkv, G, 2D]
-        kb = self.kb[layer].index_select(0, pages)                                   # [n, Hkv, 2D]
-        return torch.bmm(qq, kb.permute(1, 2, 0)).float()                           # [Hkv, G, n]
-
-    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """A kv head's score of each page [Hkv, n]: per query head of its group, the page's share of attention
-        estimated from the bounds (softmax over the candidates `valid`), summed over the group; -1 for pages
-        that are no candidates. (The maximum of the bounds over the group, the paper's GQA choice, lets one
-        sharp query head take every page: on the default model two heads of a group kept 10% and 35% of
-        their attention mass while the third kept all of it.)"""
-        b = self.bounds(layer, q, pages).masked_fill_(~valid, float("-inf"))
-        est = torch.softmax(b * self.layout.head_dim ** -0.5, dim=-1).sum(1)
-        return est.masked_fill_(~valid, -1.0)
+    def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q [Hq, D] -> upper bounds [Hkv, G, n] of q·k over the pool pages `pages` [n] per query head, -inf where
+        not `valid` (engine/ops/quest_score.py: one kernel on CUDA)."""
+        bounds = page_bounds if q.is_cuda else page_bounds_reference
+        return bounds(self.kb[layer], q, pages, valid)   # scored by engine/ops/quest_select.py (choose)
 
     # ---------------------------------------------------------------- figures
     def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:
@@ -375,7 +426,9 @@ class QuestPolicy(SparsePolicy):
         out = {"token_budget": self.token_budget, "page_size": self.page_size, "sink": self.sink,
                "window": self.window, "pages_per_head": self.k, "dense_layers": self.dense_layers,
                "selections": self.selections, "sparse": self.plans > 0,
-               "fetched_pages_per_step": self.fetched / self.fixes if self.fixes else 0.0}
+               "fetched_pages_per_step": self.fetched / self.fixes if self.fixes else 0.0,
+               "fetched_ahead_pages_per_step": self.fetched_ahead / self.fixes if self.fixes else 0.0,
+               "speculating_layers": sum(self._speculate[l] for l in self._chosen), "choosing_layers": len(self._chosen)}
         if not out["sparse"]:
             out["reason"] = self.dense_reason or "no decode step attended to part of the context"
         for kind, layers in self._recall.items():

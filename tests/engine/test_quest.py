@@ -31,7 +31,7 @@ def test_page_bound_is_at_least_the_true_max(seed, g, scale):
     for b in range(6):
         p.on_kv_written(1, b, keys[b], 0, 32)
     q = torch.randn(2 * g, 8) * scale                              # [Hq, D]
-    bound = p.bounds(1, q, torch.arange(12))                       # [Hkv, G, 12]
+    bound = p.bounds(1, q, torch.arange(12), torch.ones(12, dtype=torch.bool))   # [Hkv, G, 12]
     k_pages = keys.reshape(6, 2, 2, 16, 8).permute(1, 0, 2, 3, 4).reshape(2, 12, 16, 8)
     true = torch.einsum("hgd,hptd->hgpt", q.reshape(2, g, 8), k_pages).amax(-1)   # [Hkv, G, 12]
     assert (bound >= true - 1e-4 * (1 + true.abs())).all()
@@ -123,7 +123,61 @@ def test_the_correction_fetches_what_the_current_query_wants():
     dst = fix.dst[fix.rows >= 0]
     assert ((dst >= base) & (dst < plan.rows.shape[1])).all()     # into the chosen pages' places only
     p.end_step(ctx)
-    assert p.step_metrics()["quest_fetched"] == pytest.approx(sum(map(len, fetched)) / 2)
+    rows = (fix.rows >= 0).sum().item()                             # the cut page's tail is not fetched
+    assert sum(map(len, fetched)) * 16 - 16 < rows <= sum(map(len, fetched)) * 16
+    assert p.step_metrics()["quest_fetched"] == pytest.approx(rows / 16 / 2)   # pages per kv head
+    assert p.fetched_rows() == rows and p.fetched_rows() == 0       # read once, by the runner
+
+
+def _two_pages_each():
+    """A policy with k = 2 and keys where a query along dim 0 wants pages 2, 3 and one along dim 1 pages 6, 7."""
+    p = _policy(budget=64)
+    keys = 0.01 * torch.randn(6, 2, 32, 8, generator=torch.Generator().manual_seed(0))
+    keys[1, :, :, 0] = 5.0                                          # pages 2, 3
+    keys[3, :, :, 1] = 5.0                                          # pages 6, 7
+    for b in range(6):
+        p.on_kv_written(0, b, keys[b], 0, 32)
+    along = [torch.zeros(4, 8), torch.zeros(4, 8)]
+    along[0][:, 0], along[1][:, 1] = 1.0, 1.0
+    return p, along
+
+
+def _fetched_pages(fix):
+    return [set((fix.rows[h][fix.rows[h] >= 0] // 16).tolist()) for h in range(2)]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_the_guess_ahead_fetches_early_and_the_query_corrects_the_rest(right):
+    p, along = _two_pages_each()
+    ctx = StepContext(block_table=torch.arange(6), context_len=150)
+    p.observe_query(0, along[0], ctx)                               # a first choice: pages 2, 3
+    p.plan_load(0, 150, ctx)                                        # loads them (the speculation)
+    guess = along[1] if right else along[0]
+    ahead = p.observe_ahead(0, guess, ctx)                          # one layer early: a guess of the query
+    assert _fetched_pages(ahead) == ([{6, 7}] * 2 if right else [set()] * 2)
+    fix = p.observe_query(0, along[1], ctx)                         # the query itself wants pages 6, 7
+    assert _fetched_pages(fix) == ([set()] * 2 if right else [{6, 7}] * 2)
+    slots, chosen = p._slots[0], p._pages[0]                        # what the buffer holds now: the choice,
+    assert all(set(slots[h].tolist()) == {6, 7} for h in range(2))  # its lowest-scored page in the cut last slot
+    assert torch.equal(slots[:, -1], chosen[:, -1])
+    p.end_step(ctx)
+    m = p.step_metrics()
+    assert m["quest_fetched_ahead"] == pytest.approx((2 - 0.375) if right else 0.0)   # the last page's cut tail
+    assert m["quest_fetched"] == pytest.approx(0.0 if right else 2 - 0.375)
+
+
+def test_the_speculation_is_left_out_where_the_choice_moves_and_back_where_it_stays():
+    p, along = _two_pages_each()
+    for end, q, spec in ((150, along[0], True), (151, along[1], True), (152, along[1], False), (153, along[1], True)):
+        ctx = StepContext(block_table=torch.arange(6), context_len=end)
+        plan = p.plan_load(0, end, ctx)
+        if plan is not None:                                        # (none before the first choice)
+            base = p._layout_for(end)[2]
+            assert (plan.rows[:, base:] >= 0).all() == spec and (plan.moved is None) == spec
+            assert spec or (p._slots[0] < 0).all()                  # and nothing is assumed loaded
+        p.observe_query(0, q, ctx)
+        p.end_step(ctx)                                             # 151: the choice kept none of its pages
+    assert p.stats()["speculating_layers"] == p.stats()["choosing_layers"] == 1
 
 
 def test_dense_where_choosing_does_not_pay():
@@ -192,9 +246,11 @@ def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
     per_token_layer = block // 64
     window, budget = llm.runner.policy.window, QUEST["token_budget"]
     rows, rows_next = budget - min(window, 902 - 896), budget - min(window, 903 - 896)   # less the device tail
-    # the step loads its layers 3.. and, ahead, the next step's layers 0, 1 (dense: 14 blocks) and 2 (sparse)
-    want = 2 * 14 * block + ((a.num_layers - 3) * rows + rows_next) * per_token_layer
-    assert decodes[1].metrics["bytes_h2d"] == want                # a steady step (its first loads came early)
+    # the step loads its layers 3.. and, ahead, the next step's layers 0, 1 (dense: 14 blocks) and 2 (sparse):
+    # every row a sparse layer attends is moved once (its plan, or fetched ahead or by the correction), and a
+    # row moved for nothing (a speculated page the query did not want) at most once more
+    dense, attended = 2 * 14 * block, ((a.num_layers - 3) * rows + rows_next) * per_token_layer
+    assert dense + attended <= decodes[1].metrics["bytes_h2d"] <= dense + 2 * attended   # a steady step
     picks = decodes[1].quest
     assert len(picks) == (a.num_layers - 2) * a.num_kv_heads      # every sparse layer, every kv head
     k = llm.runner.policy.k
@@ -202,6 +258,7 @@ def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
         assert len(p.blocks) == k and p.n_blocks == (902 - llm.runner.policy.window) // 16
         assert all(1 <= int(x) < p.n_blocks for x in p.positions) # between the sink and the window
     assert "quest_fetched" in decodes[1].metrics and out.stats.policy_stats["sparse"]
+    assert "quest_kept" in decodes[1].metrics
 
 
 def test_quest_answers_a_question_about_a_document(default_model_dir):
@@ -252,17 +309,22 @@ def test_quest_requests_in_turn_answer_as_in_a_fresh_engine(default_model_dir, q
 
 @pytest.mark.parametrize("bs", [16, 64])
 def test_layerwise_and_chunked_attend_to_the_same_tokens(tmp_path, bs):
-    """The same choices, corrections included, executed by two runners: the same tokens."""
+    """The same choices, corrections included, executed by two runners, and with the guess one layer ahead
+    (layerwise): the same tokens, whatever each loaded before its query chose."""
     from tests.engine.tiny import tiny_model
     tiny_model("qwen3", tmp_path)
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4)).tolist()
-    outs = []
-    for mode in ("layerwise", "chunked"):
+    outs, ahead = [], []
+    for mode, look_ahead in (("layerwise", False), ("chunked", False), ("layerwise", True)):
+        rec = TraceRecorder()
         with LLM(str(tmp_path), device="cpu", kv_block_size=bs, mode=mode, max_model_len=400, policy="quest",
-                 policy_params={"token_budget": 96, "dense_layers": 0, "min_context": 0}) as llm:
+                 recorder=rec, policy_params={"token_budget": 96, "dense_layers": 0, "min_context": 0,
+                                              "look_ahead": look_ahead}) as llm:
             outs.append(llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0])
-    assert outs[0].token_ids == outs[1].token_ids
+        ahead.append(sum(s.metrics.get("quest_fetched_ahead", 0) for s in rec.steps))
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert all(o.stats.policy_stats["sparse"] for o in outs)
+    assert ahead[0] == ahead[1] == 0 < ahead[2]                     # the guess did fetch pages early
 
 
 def test_recall_measured_in_the_engine(tmp_path):

@@ -31,7 +31,8 @@ def test_reference_puts_each_heads_rows_in_order():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_dst", [False, True])
-def test_kernel_equals_reference(dtype, with_dst):
+@pytest.mark.parametrize("programs", [3, 32])         # 3: each program loops over several chunks
+def test_kernel_equals_reference(dtype, with_dst, programs):
     torch.manual_seed(0)
     src = torch.randn(6, 2, 2, 32, 16, device=DEV).to(dtype)          # 6 blocks of 32 tokens, 2 kv heads
     rows = torch.randint(0, 6 * 32, (2, 37), device=DEV)               # a ragged count: 37 rows per head
@@ -40,5 +41,5 @@ def test_kernel_equals_reference(dtype, with_dst):
     want = torch.zeros(2, 2, 2, 32, 16, device=DEV, dtype=dtype)
     got = torch.zeros_like(want)
     gather_rows_reference(src, want, rows, dst_rows)
-    gather_rows(src, got, rows, dst_rows)
+    gather_rows(src, got, rows, dst_rows, programs=programs)
     assert torch.equal(got, want) and want.count_nonzero() > 0

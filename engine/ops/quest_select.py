@@ -1,0 +1,174 @@
+"""Quest's choice and correction as two kernels (one program per kv head each), and the torch versions they are
+tested against (also the CPU path).
+
+`choose(b, scale, k, prev)`: bounds b [Hkv, G, n] (float32, -inf: no candidate) -> a page's score, the attention
+share its kv head's query heads would give it (softmax over the candidates per query head, summed over the group;
+-1 for no candidate), and the k best pages per kv head: [Hkv, k] ascending, except the lowest-scored one, which
+is last (its page loses its tail to the window), their scores, and how many of `prev` [Hkv, k] (the previous
+choice) are among them. torch.topk and the two dozen small kernels around it took ~0.2 ms per layer on an H100
+at 128K tokens; the kernel scores, finds the k-th largest score by bisection on its bits (the head's scores held in registers) and writes the pages.
+
+`correct(new, slots, page_ids, base, n_rows, page_size)`: a buffer's packed slots [Hkv, k] (the page each holds,
+-1: none) and a choice `new` [Hkv, k] -> the host rows to fetch and where they go ([Hkv, k * page_size] each,
+-1: nothing), the slots updated in place, the count of rows fetched. The pages `new` has that the slots lack go,
+in order, into the slots whose pages `new` drops, in order; the last slot (cut by the window) must hold new's
+last page, so a page elsewhere in the slots that belongs there is fetched again (at most one more).
+"""
+import struct
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch versions
+    triton = None
+
+CHUNK = 1024   # pages per loop iteration of the softmax passes
+
+
+def triton_runs() -> bool:
+    return triton is not None
+
+
+def choose_reference(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor):
+    valid = b[:, 0] > float("-inf")
+    s = torch.softmax(b * scale, dim=-1).sum(1).masked_fill_(~valid, -1.0)   # [Hkv, n]
+    top = s.topk(k, dim=-1).indices                                            # best first
+    top = torch.cat([top[:, :-1].sort(dim=1).values, top[:, -1:]], dim=1)      # ascending, the lowest last
+    kept = (prev[:, :, None] == top[:, None, :]).any(-1).sum(1)
+    return top, s.gather(1, top), kept
+
+
+def correct_reference(new, slots, page_ids, base, n_rows, page_size: int):
+    hkv, k = new.shape
+    ar = torch.arange(k, device=new.device)
+    keep = (slots[:, :, None] == new[:, None, :]).any(-1)                     # loaded and still chosen
+    lowest = slots == new[:, -1:]
+    keep &= ~lowest | (ar == k - 1)                                            # new's last: only in the last slot
+    keep[:, -1] = lowest[:, -1]
+    have = (new[:, :, None] == slots.masked_fill(~keep, -2)[:, None, :]).any(-1)
+    missing = torch.argsort(have.to(torch.int8), dim=1, stable=True)          # the pages to fetch, in order
+    free = torch.argsort(keep.to(torch.int8), dim=1, stable=True)             # the slots they go to, in order
+    todo = ar[None] < (~have).sum(1, keepdim=True)
+    fetch = new.gather(1, missing)
+    t = torch.arange(page_size, device=new.device)
+    rows = page_ids[fetch][:, :, None] * page_size + t
+    dst = base + free[:, :, None] * page_size + t
+    rows = rows.masked_fill_(~todo[:, :, None] | (dst >= n_rows), -1).flatten(1)
+    slots.scatter_(1, free, torch.where(todo, fetch, slots.gather(1, free)))
+    return rows, dst.flatten(1), (rows >= 0).sum()
+
+
+if triton is not None:
+    @triton.jit
+    def _choose_kernel(b, scores, pages, out_scores, prev, kept, n, k, scale, s_bh, s_bg, s_sh, s_ph, s_oh, s_vh,
+                       G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr,
+                       HI: tl.constexpr,
+                       ITERS: tl.constexpr):
+        h = tl.program_id(0)
+        g = tl.arange(0, GP)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        z = tl.zeros([GP], tl.float32)
+        for c0 in range(0, n, C):                               # per query head: max and sum of exp (online)
+            p = c0 + tl.arange(0, C)
+            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n),
+                        other=float("-inf")) * scale
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            z = z * tl.exp(tl.where(m > float("-inf"), m - safe, float("-inf"))) + tl.sum(tl.exp(x - safe[:, None]), 1)
+            m = m_new
+        safe = tl.where(m > float("-inf"), m, 0.0)
+        zr = tl.where(z > 0, 1.0 / tl.maximum(z, 1e-30), 0.0)
+        for c0 in range(0, n, C):                               # scores + 1, so that every key is >= 0 (-1 -> 0)
+            p = c0 + tl.arange(0, C)
+            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n),
+                        other=float("-inf")) * scale
+            s = tl.sum(tl.exp(x - safe[:, None]) * zr[:, None], 0)
+            tl.store(scores + h * s_sh + p, tl.where(tl.max(x, axis=0) > float("-inf"), s + 1.0, 0.0), mask=p < n)
+        tl.debug_barrier()                                      # (the keys below are other threads' scores)
+        p = tl.arange(0, NP)
+        v = tl.load(scores + h * s_sh + p, mask=p < n, other=-1.0)
+        # the k-th largest key by bisection on the bits (non-negative floats order as their int32 bits), all of the
+        # head's keys held in registers; a candidate's key is in [1, G + 1], no candidate's 0 (the answer where
+        # there are fewer than k candidates: the bisection then never leaves 0)
+        key = v.to(tl.int32, bitcast=True)
+        one = 0x3F800000
+        lo = tl.where(tl.sum((key >= one).to(tl.int32), 0) >= k, one, 0)
+        hi = HI                                                 # count(key >= lo) >= k > count(key >= hi)
+        for _ in range(ITERS):
+            mid = lo + (hi - lo) // 2
+            cnt = tl.sum((key >= mid).to(tl.int32), 0)
+            lo = tl.where(cnt >= k, mid, lo)
+            hi = tl.where(cnt >= k, hi, mid)
+        j = tl.arange(0, KP)                                    # kept: read prev before pages (maybe prev) is written
+        pv = tl.load(prev + h * s_vh + j, mask=j < k, other=0)
+        pk = tl.load(scores + h * s_sh + pv, mask=(j < k) & (pv >= 0) & (pv < n), other=-1.0).to(tl.int32,
+                                                                                                   bitcast=True)
+        tl.store(kept + h, tl.sum(((pk >= lo) & (j < k)).to(tl.int32), 0))
+        r = k - tl.sum((key > lo).to(tl.int32), 0)              # the first r keys equal to lo (by page) are in
+        tie = (key == lo) & (p < n)
+        rank = tl.cumsum(tie.to(tl.int32), 0) - 1
+        last = tie & (rank == r - 1)                            # the lowest-scored chosen page: the last slot
+        sel = ((key > lo) | (tie & (rank < r))) & ~last & (p < n)
+        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(pages + h * s_ph + pos, p.to(tl.int64), mask=sel)
+        tl.store(out_scores + h * s_oh + pos, v - 1.0, mask=sel)
+        tl.store(pages + h * s_ph + (k - 1) + p * 0, p.to(tl.int64), mask=last)
+        tl.store(out_scores + h * s_oh + (k - 1) + p * 0, v - 1.0, mask=last)
+
+    @triton.jit
+    def _correct_kernel(new, slots, page_ids, base, n_rows, rows, dst, count, k, s_nh, s_sh, s_rh, s_dh,
+                        KP: tl.constexpr, PS: tl.constexpr, PSP: tl.constexpr):
+        h = tl.program_id(0)
+        i = tl.arange(0, KP)
+        inside = i < k
+        nw = tl.load(new + h * s_nh + i, mask=inside, other=-3).to(tl.int32)
+        old = tl.load(slots + h * s_sh + i, mask=inside, other=-4).to(tl.int32)
+        low = tl.sum(tl.where(i == k - 1, nw, 0), 0)           # new's last page
+        eq = nw[:, None] == old[None, :]                        # [new i, slot j]
+        keep = tl.max(eq.to(tl.int32), axis=0) > 0
+        keep = tl.where(i == k - 1, old == low, keep & (old != low)) & inside
+        have = tl.max((eq & keep[None, :]).to(tl.int32), axis=1) > 0
+        miss = ~have & inside
+        free = ~keep & inside
+        mrank = tl.cumsum(miss.to(tl.int32), 0) - 1
+        frank = tl.cumsum(free.to(tl.int32), 0) - 1
+        match = miss[:, None] & free[None, :] & (mrank[:, None] == frank[None, :])   # page i -> slot j
+        slot = tl.sum(tl.where(match, i[None, :], 0), 1)        # [new i]
+        filled = tl.sum(tl.where(match, nw[:, None], 0), 0)     # [slot j]
+        tl.store(slots + h * s_sh + i, tl.where(free, filled, old).to(tl.int64), mask=inside)
+        t = tl.arange(0, PSP)
+        pid = tl.load(page_ids + nw, mask=miss, other=0).to(tl.int64)
+        to = tl.load(base) + slot[:, None] * PS + t[None, :]
+        src = pid[:, None] * PS + t[None, :]
+        go = miss[:, None] & (t[None, :] < PS) & (to < tl.load(n_rows))
+        at = i[:, None] * PS + t[None, :]
+        m2 = inside[:, None] & (t[None, :] < PS)
+        tl.store(rows + h * s_rh + at, tl.where(go, src, -1), mask=m2)
+        tl.store(dst + h * s_dh + at, to, mask=m2)
+        tl.atomic_add(count, tl.sum(tl.sum(go.to(tl.int32), 1), 0).to(tl.int64))
+
+
+def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: torch.Tensor, pages: torch.Tensor,
+           scores: torch.Tensor, kept: torch.Tensor) -> None:
+    """The kernel: pages [Hkv, k] (written), scores [Hkv, k], kept [Hkv] (int32); scratch [Hkv, n] float32.
+    `pages` may be `prev` itself (each head reads its row before it writes it)."""
+    hkv, g, n = b.shape
+    np2 = triton.next_power_of_2(n)
+    hi = struct.unpack("<i", struct.pack("<f", g + 1.5))[0]               # above any key (scores sum to <= G)
+    _choose_kernel[(hkv,)](b, scratch, pages, scores, prev, kept, n, k, scale, b.stride(0), b.stride(1),
+                           scratch.stride(0), pages.stride(0), scores.stride(0), prev.stride(0), G=g,
+                           GP=triton.next_power_of_2(g), C=CHUNK, KP=triton.next_power_of_2(k), NP=np2, HI=hi,
+                           ITERS=(hi - 0x3F800000).bit_length(),
+                           num_warps=8 if np2 <= 8192 else 16)
+
+
+def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,
+            count: torch.Tensor) -> None:
+    """The kernel: rows, dst [Hkv, k * page_size] (written), slots updated, count (int64 [1]) += rows fetched;
+    base and n_rows are device scalars (int64)."""
+    hkv, k = new.shape
+    _correct_kernel[(hkv,)](new, slots, page_ids, base, n_rows, rows, dst, count, k, new.stride(0), slots.stride(0),
+                            rows.stride(0), dst.stride(0), KP=triton.next_power_of_2(k), PS=page_size,
+                            PSP=triton.next_power_of_2(page_size), num_warps=8)

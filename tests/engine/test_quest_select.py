@@ -1,0 +1,80 @@
+"""Quest's choice and correction kernels (Triton: the interpreter on CPU, compiled on a GPU) against their torch
+versions, and the torch versions against what they promise."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede any `import triton`
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from engine.ops.quest_select import choose, choose_reference, correct, correct_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bounds(hkv, g, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b = torch.randn(hkv, g, n, generator=gen) * 4
+    valid = torch.rand(n, generator=gen) < 0.7
+    valid[-3:] = False                                                   # pages the sequence does not have
+    return b.masked_fill_(~valid, float("-inf")).to(DEV), valid
+
+
+@pytest.mark.parametrize("hkv,g,n,k", [(2, 3, 300, 7), (1, 4, 2100, 64), (3, 1, 80, 28)])   # n > CHUNK: three loops
+def test_choice_kernel_equals_reference(hkv, g, n, k):
+    b, valid = _bounds(hkv, g, n, seed=n)
+    prev = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(h))[:k] for h in range(hkv)]).to(DEV)
+    want, want_s, want_kept = choose_reference(b, 0.3, k, prev)
+    pages = prev.clone()                                                 # written in place of the previous choice
+    scores = torch.zeros(hkv, k, device=DEV)
+    kept = torch.zeros(hkv, dtype=torch.int32, device=DEV)
+    choose(b, 0.3, k, pages, torch.empty(hkv, n, device=DEV), pages, scores, kept)
+    assert torch.equal(pages, want) and torch.equal(kept.long(), want_kept)
+    torch.testing.assert_close(scores, want_s, rtol=1e-5, atol=1e-6)
+    assert valid[pages.cpu()].all()                                      # candidates only
+    assert torch.equal(scores[:, -1], scores.min(1).values)              # the lowest-scored page is last
+
+
+def test_reference_choice_is_the_k_best_scores():
+    b, valid = _bounds(2, 3, 200, seed=1)
+    top, sc, _ = choose_reference(b, 0.5, 10, torch.zeros(2, 10, dtype=torch.long, device=DEV))
+    s = torch.softmax(b * 0.5, -1).sum(1)
+    for h in range(2):
+        assert set(top[h].tolist()) == set(s[h].topk(10).indices.tolist())
+        assert torch.equal(top[h, :-1], top[h, :-1].sort().values)       # ascending, then the lowest-scored
+    assert torch.allclose(sc.sum(), s.topk(10).values.sum())
+
+
+def _pairs(rows, dst):
+    return [sorted(zip(dst[h][rows[h] >= 0].tolist(), rows[h][rows[h] >= 0].tolist())) for h in range(rows.shape[0])]
+
+
+@pytest.mark.parametrize("case", ["some loaded", "none loaded", "lowest elsewhere", "all loaded"])
+def test_correction_kernel_equals_reference(case):
+    k, ps, hkv = 6, 4, 2
+    page_ids = torch.arange(100, device=DEV) * 3 + 1                     # sequence page -> pool page
+    new = torch.tensor([[2, 5, 9, 11, 20, 7], [1, 3, 4, 8, 9, 30]], device=DEV)   # ascending, the lowest last
+    slots = {"some loaded": [[5, 40, 2, 41, 7, 42], [30, 3, 50, 1, 51, 52]],
+             "none loaded": [[-1] * 6, [-1] * 6],
+             "lowest elsewhere": [[7, 2, 5, 9, 11, 20], [30, 1, 3, 4, 8, 9]],   # new's last is not in the last slot
+             "all loaded": [[2, 5, 9, 11, 20, 7], [9, 3, 4, 8, 1, 30]]}[case]
+    slots = torch.tensor(slots, device=DEV)
+    base, n_rows = torch.tensor(8, device=DEV), torch.tensor(8 + k * ps - 1, device=DEV)   # the last row is cut
+    want_slots = slots.clone()
+    w_rows, w_dst, w_count = correct_reference(new, want_slots, page_ids, base, n_rows, ps)
+    got_slots = slots.clone()
+    rows = torch.empty(hkv, k * ps, dtype=torch.long, device=DEV)
+    dst = torch.empty_like(rows)
+    count = torch.zeros(1, dtype=torch.long, device=DEV)
+    correct(new, got_slots, page_ids, base, n_rows, ps, rows, dst, count)
+    assert torch.equal(got_slots, want_slots) and count.item() == w_count.item()
+    assert _pairs(rows, dst) == _pairs(w_rows, w_dst)
+    for h in range(hkv):                                                 # the slots then hold the choice,
+        assert set(want_slots[h].tolist()) == set(new[h].tolist())       # its lowest-scored page in the last
+        assert want_slots[h, -1] == new[h, -1]
+    pages = {"some loaded": 4, "none loaded": k, "lowest elsewhere": 2, "all loaded": 0}[case]   # per kv head
+    expect = 2 * (pages * ps - (pages > 0))                              # rows fetched (the cut last row never)
+    assert w_count.item() == expect
