@@ -7,7 +7,9 @@ host time. A graph replays them in one launch. Everything around the compute sta
 on the copy events, the partly filled block copied in, the offloads, the policy's planning, the prefetches.
 A policy that looks at the layer's query before its attention (Quest's correction) splits the layer in two
 graphs: q, k, v and the KV store (and, for a policy that looks ahead, the next layer's query guessed from this
-layer's input: `q_next`); then, after the policy's eager step, the attention and the rest.
+layer's input: `q_next`); then, after the policy's eager step, the correction's row gather (its rows are the
+policy's static tensors, so the gather is recorded in the graph: one launch fewer per layer), the attention and
+the rest.
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors the step fills before the replays: hidden state and residual (updated in place
@@ -68,42 +70,51 @@ class DecodeGraphs:
             self._meta_now[v] = values
 
     def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int],
-            between: Callable[[torch.Tensor], None] | None = None, ahead: bool = False) -> torch.Tensor:
+            between: Callable[[torch.Tensor], tuple[tuple, Callable[[], None]] | None] | None = None,
+            ahead: bool = False) -> torch.Tensor:
         """Replay (capturing on first use) the layer's compute over buffer `buf` in layout v (0 whole blocks,
         1 packed rows), the new token at (block, offset) = meta[:2] and meta[2] tokens attended. `between(q)`,
-        if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention.
+        if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention; the work it
+        may return, (tag, fn) with fn over static tensors that tag names (a correction's gather: the policy's
+        tensors, new when the policy is), runs first in the attention's graph.
         -> q [1, Hq, D] (static)."""
         self._set_meta(v, meta)
-        parts = ("all",) if between is None else ("guess" if ahead else "pre", "post")
-        for part in parts:
-            self._replay((layer, buf, v, part))
-            if part in ("pre", "guess"):
-                between(self.q)
+        if between is None:
+            self._replay((layer, buf, v, "all"))
+            return self.q
+        self._replay((layer, buf, v, "guess" if ahead else "pre"))
+        work = between(self.q)
+        if work is None:
+            self._replay((layer, buf, v, "post"))
+        else:
+            self._replay((layer, buf, v, "fix+post", work[0]), work[1])
         return self.q
 
-    def _replay(self, key: tuple) -> None:
+    def _replay(self, key: tuple, work: Callable[[], None] | None = None) -> None:
         graph = self.graphs.get(key)
         if graph is None and key not in self._warm:   # first time: eager (compiles what the capture will record)
             self._warm.add(key)
-            self._body(*key)
+            self._body(*key[:4], work)
             return
         if graph is None:
             graph = self.graphs[key] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._body(*key)
+                self._body(*key[:4], work)
             self.pool = graph.pool()
         graph.replay()
 
-    def _body(self, layer: int, buf: int, v: int, part: str) -> None:
+    def _body(self, layer: int, buf: int, v: int, part: str, work: Callable[[], None] | None = None) -> None:
         K, V = self.kv_views(buf)
         mod = self.model.layers[layer]
-        if part != "post":
+        if part in ("all", "pre", "guess"):
             slots = self.meta[v, :2, None]
             q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin),
                              lambda k, v_, a, b: store_kv(k, v_, K, V, slots), self.chunk)
             self.q.copy_(q)
             if part == "guess" and layer + 1 < len(self.model.layers):
                 self.q_next.copy_(self.model.layers[layer + 1].query(self.residual, (self.cos, self.sin)))
-        if part in ("all", "post"):
+        if work is not None:
+            work()
+        if part in ("all", "post", "fix+post"):
             o = decode_attention(self.q, K, V, self.table, self.meta[v, 2:3], self.scale)
             mod.post_rows(o, self.h, self.residual, self.chunk)

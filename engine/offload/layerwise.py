@@ -46,6 +46,23 @@ class LayerwiseRunner(OffloadRunner):
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key) if by rows
         return oe
 
+    def set_policy(self, policy) -> None:
+        """The next requests' policy; the layers it reads whole every step (Quest's dense layers) become the
+        resident ones where the plan keeps any (the same buffers, given to other layers: between requests only)."""
+        super().set_policy(policy)
+        if getattr(self, "plan", None) is None:     # (while the runner is being made)
+            return
+        cfg = self.config
+        plan = plan_residency(self.args.num_layers, cfg.ring_slots, self.plan.layer_bytes, self.plan.dbuf_bytes,
+                              self.plan.budget_bytes, self.policy.whole_layers())
+        if plan.resident != self.plan.resident:
+            oe = self.oe
+            bufs = sorted(oe.resident.values())
+            oe.resident = dict(zip(plan.resident, bufs))
+            for b in bufs:                           # they hold other layers' blocks now: nothing counts as held
+                oe.held[b], oe.owner[b], self._packed[b] = {}, None, None
+            self.plan, self.streamed = plan, plan.streamed
+
     def _buffer(self, layer: int) -> int:
         j = self.streamed.index(layer) if layer not in self.oe.resident else 0
         return self.oe.buffer_for(layer, self._steps * len(self.streamed) + j)
@@ -88,7 +105,7 @@ class LayerwiseRunner(OffloadRunner):
                     ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
                 if graphs is not None:               # decode: q out, h and residual in place
                     between = None if not observe else (
-                        lambda q: self._observe(l, buf, q[0], ctx, lambda: graphs.q_next[0]))
+                        lambda q: self._observe(l, buf, q[0], ctx, lambda: graphs.q_next[0], defer=True))
                     graphs.run(l, buf, int(packed is not None), (*new, context), between, policy.looks_ahead)
                 else:
                     with rec.span(COMPUTE, "attention", l):
@@ -130,20 +147,24 @@ class LayerwiseRunner(OffloadRunner):
         flat = pos + (new[0] * bs + new[1] - (end - 1))
         return torch.stack([flat // bs, flat % bs])
 
-    def _observe(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext, guess) -> None:
+    def _observe(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext, guess, defer: bool = False):
         """Decode: show the policy the layer's query (q [Hq, D]) before its attention; apply the correction it
-        returns. A policy that looks ahead then sees the next layer's query as guessed from this layer's input
-        (`guess()`), and what it asks for is fetched on the copy stream into the next layer's buffer while this
-        layer computes (the buffer's load for this step is issued already where the ring has two slots or more;
-        the policy checks)."""
+        returns (defer: return it as (tag, work) for the attention's graph instead). A policy that looks ahead then sees
+        the next layer's query as guessed from this layer's input (`guess()`), and what it asks for is fetched
+        on the copy stream into the next layer's buffer while this layer computes (the buffer's load for this
+        step is issued already where the ring has two slots or more; the policy checks)."""
         policy = self.policy
         fix = policy.observe_query(l, q, ctx)
-        if fix is not None:
-            self.oe.fix_rows(buf, l, fix.rows, fix.dst)
+        work = None if fix is None else (lambda: self.oe.fix_rows(buf, l, fix.rows, fix.dst))
+        if work is not None and not defer:
+            work()
+        if work is not None:                 # (its tensors, which a graph recording it depends on)
+            work = (tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)), work)
         if policy.looks_ahead and l + 1 < len(self.model.layers) and self._buffer(l + 1) != buf:
             ahead = policy.observe_ahead(l + 1, guess(), ctx)
             if ahead is not None:
                 self.oe.fetch_rows(self._buffer(l + 1), l + 1, ahead.rows, ahead.dst)
+        return work if defer else None
 
     def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):
         """Decode: put the partly filled block's tokens where the attention expects them -> the new token's

@@ -354,3 +354,21 @@ def test_recall_measured_in_the_engine(tmp_path):
         assert m["quest_recall"] == pytest.approx(sum(layers) / 2) and m["quest_recall_min"] == min(layers)
     per_layer0 = np.mean([m["quest_recall_l0"] for m in measured])
     assert per_layer0 == pytest.approx(tight["recall_per_layer"]["0"], abs=1e-4)
+
+
+def test_a_switch_to_quest_makes_its_dense_layers_resident(default_model_dir):
+    """An engine built for Full keeps other layers resident; switched to Quest, its dense layers (read whole every
+    step) take the resident buffers, and it answers as an engine built for Quest."""
+    quest = {"token_budget": 256, "min_context": 0}
+    prompt = list(range(3000, 3000 + 900))
+    kw = dict(device="cpu", kv_block_size=64, mode="layerwise", max_model_len=1024, gpu_kv_budget_gb=0.012)
+    with LLM(str(default_model_dir), policy="full", **kw) as llm:
+        before = llm.runner.plan.resident
+        assert len(before) >= 2 and 0 not in before
+        llm.set_policy("quest", quest)
+        assert llm.runner.plan.resident[:2] == (0, 1) and len(llm.runner.plan.resident) == len(before)
+        switched = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    with LLM(str(default_model_dir), policy="quest", policy_params=quest, **kw) as llm:
+        fresh = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert switched.token_ids == fresh.token_ids
+    assert switched.stats.bytes_h2d == fresh.stats.bytes_h2d         # no dense layer streamed whole each step

@@ -55,9 +55,9 @@ def test_layerwise_copies_overlap_compute_on_cuda():
     prompt = torch.randint(0, 150000, (12000,)).tolist()
     llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
     llm.recorder = None
-    llm.close()
-    prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
     L, block = 36, llm.runner.oe.block_bytes
+    llm.close()                                      # (the runner is gone after close)
+    prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
     assert prefill.metrics["bytes_h2d"] == 0 and prefill.metrics["bytes_d2h"] == L * (12000 // BS) * block
     steady = decodes[2:]
     for step in steady:

@@ -137,3 +137,24 @@ def test_quest_in_chunked_mode_on_gpu():
         torch.cuda.empty_cache()
     assert got["quest"][0] == got["full"][0]
     assert got["tight"][1] < got["full"][1]
+
+
+def test_a_policy_switch_keeps_the_decode_graphs_valid():
+    """Graphs that record a policy's tensors (Quest's correction gather) are not replayed for the next policy:
+    after full -> quest(512) -> quest(1024) on one engine, the last answers as a fresh quest(1024) engine."""
+    prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(1)).tolist()
+    quest = {"page_size": 32, "min_context": 0}
+
+    def engine(policy, params):
+        return LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
+                   kv_block_size=256, policy=policy, policy_params=params, gpu_kv_budget_gb=0.25)   # ring + 2 resident layers
+    llm = engine("full", {})
+    for budget in (512, 1024):
+        llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+        llm.set_policy("quest", {**quest, "token_budget": budget})
+    switched = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    llm.close()
+    fresh = engine("quest", {**quest, "token_budget": 1024})
+    want = fresh.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    fresh.close()
+    assert switched == want
