@@ -102,7 +102,7 @@ class QuestPolicy(SparsePolicy):
         self._heads, self._kps = torch.arange(hkv, device=dev), torch.arange(self.k * ps, device=dev)
         self._fix_rows = torch.full((hkv, self.k * ps), -1, **lng)
         self._fix_dst = torch.zeros(hkv, self.k * ps, **lng)
-        self._fetched = torch.zeros(2, L, **lng)                # pages fetched per layer: by the correction, ahead
+        self._fetched = torch.zeros(2, L, **lng)                # rows fetched per layer: by the correction, ahead
         self._kept = torch.zeros(L, hkv, dtype=torch.int32, device=dev)   # pages of the previous choice kept
         self._guess = torch.zeros(hkv, self.k, **lng)          # a guessed query's choice (ahead), its scores, kept
         self._guess_scores = torch.zeros(hkv, self.k, dtype=torch.float32, device=dev)
@@ -110,7 +110,6 @@ class QuestPolicy(SparsePolicy):
         self._scratch = torch.zeros(hkv, n, dtype=torch.float32, device=dev)   # the scores of every page
         self._kernels = dev.type == "cuda" and triton_runs()
         self._slots = torch.full((L, hkv, self.k), -1, **lng)  # the page each packed slot of a buffer holds (-1: none)
-        self._none = torch.full((hkv, self.k), -1, **lng)
         self._ahead_rows = torch.full((L, hkv, self.k * ps), -1, **lng)   # the fetches one layer ahead, per layer
         self._ahead_dst = torch.zeros(L, hkv, self.k * ps, **lng)         # (the copy stream reads them later)
         self._bare = torch.full((2, L, hkv, self.token_budget + ps), -1, **lng)   # plans without the speculation

@@ -7,10 +7,12 @@ from app import telemetry
 from app.telemetry import TIGHT_BUDGET, TelemetryPump, gui_budget
 
 
-def test_the_budget_is_tight_only_when_the_engine_computes_on_every_core():
-    assert gui_budget("cpu", 2, cores=2) == TIGHT_BUDGET
-    assert gui_budget("cpu", 3, cores=4) == 1.0          # a core to spare
-    assert gui_budget("cuda:0", 16, cores=16) == 1.0     # the GPU computes
+def test_the_budget_is_tight_only_where_the_engine_needs_what_the_gui_takes():
+    assert gui_budget("cpu", 2, "layerwise", cores=2) == TIGHT_BUDGET
+    assert gui_budget("cpu", 3, "gpu", cores=4) == 1.0             # a core to spare
+    assert gui_budget("cuda:0", 16, "gpu", cores=16) == 1.0        # one graph replay per step
+    assert gui_budget("cuda:0", 16, "layerwise", cores=16) == TIGHT_BUDGET   # a Python loop per step: the GIL
+    assert gui_budget("cuda:0", 16, "chunked", cores=16) == TIGHT_BUDGET
 
 
 def _pump(cost_s: float, budget: float):
