@@ -18,6 +18,11 @@ from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-4b")
@@ -26,6 +31,8 @@ def main() -> None:
     p.add_argument("--policy", default="full")
     p.add_argument("--params", default="{}", help="policy parameters as JSON")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warm", type=int, default=8, help="decode steps before any timing (CUDA graphs are captured on "
+                   "a layer's second use of a ring slot: with 3 slots, in the first ~6 steps)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (the split then sees attention's kernels)")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--gpu-kv-budget", default=None, help="layerwise: device KV budget in GB")
@@ -40,11 +47,11 @@ def main() -> None:
               policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
-    seq = llm.add_request(prompt, SamplingParams(max_tokens=2 * a.steps + 4, ignore_eos=True))
+    seq = llm.add_request(prompt, SamplingParams(max_tokens=a.warm + 2 * a.steps + 4, ignore_eos=True))
     llm.step()                                     # prefill
-    for _ in range(2):                             # warm-up decode steps
+    for _ in range(a.warm):                        # warm-up decode steps
         llm.step()
-    torch.cuda.synchronize()
+    sync()
     if a.python:
         import cProfile
         import pstats
@@ -52,7 +59,7 @@ def main() -> None:
         pr.enable()
         for _ in range(a.steps):
             llm.step()
-        torch.cuda.synchronize()
+        sync()
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(a.rows)
         pstats.Stats(pr).sort_stats("cumulative").print_stats(a.rows)
@@ -63,13 +70,13 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(a.steps):                   # unprofiled, for the wall time
             llm.step()
-        torch.cuda.synchronize()
+        sync()
         wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
         label_calls()
         with profile(activities=acts) as prof:
             for _ in range(a.steps):
                 llm.step()
-            torch.cuda.synchronize()
+            sync()
         if a.syncs:
             sync_report(prof, a.steps)
         if a.split:
@@ -78,7 +85,7 @@ def main() -> None:
     with profile(activities=acts) as prof:
         for _ in range(a.steps):
             llm.step()
-        torch.cuda.synchronize()
+        sync()
     ev = prof.key_averages()
     print(ev.table(sort_by="self_cpu_time_total", row_limit=a.rows))
     if torch.cuda.is_available():
