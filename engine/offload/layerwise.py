@@ -153,18 +153,20 @@ class LayerwiseRunner(OffloadRunner):
         the next layer's query as guessed from this layer's input (`guess()`), and what it asks for is fetched
         on the copy stream into the next layer's buffer while this layer computes (the buffer's load for this
         step is issued already where the ring has two slots or more; the policy checks)."""
-        policy = self.policy
+        policy, work = self.policy, None
         fix = policy.observe_query(l, q, ctx)
-        work = None if fix is None else (lambda: self.oe.fix_rows(buf, l, fix.rows, fix.dst))
-        if work is not None and not defer:
-            work()
-        if work is not None:                 # (its tensors, which a graph recording it depends on)
-            work = (tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)), work)
-        if policy.looks_ahead and l + 1 < len(self.model.layers) and self._buffer(l + 1) != buf:
+        if fix is not None:
+            gather = lambda: self.oe.fix_rows(buf, l, fix.rows, fix.dst)   # noqa: E731
+            if defer:                         # tagged by its tensors, which a graph recording it depends on
+                work = (tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)), gather)
+            else:
+                gather()
+        nxt = self._buffer(l + 1) if policy.looks_ahead and l + 1 < len(self.model.layers) else buf
+        if nxt != buf:
             ahead = policy.observe_ahead(l + 1, guess(), ctx)
             if ahead is not None:
-                self.oe.fetch_rows(self._buffer(l + 1), l + 1, ahead.rows, ahead.dst)
-        return work if defer else None
+                self.oe.fetch_rows(nxt, l + 1, ahead.rows, ahead.dst)
+        return work
 
     def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):
         """Decode: put the partly filled block's tokens where the attention expects them -> the new token's

@@ -221,14 +221,10 @@ class OffloadEngine:
     def fetch_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """`fix_rows` on the copy stream, after the compute issued so far (which made rows and dst_rows) and the
         buffer's load: a correction made ahead of the layer that reads the buffer (it waits for it)."""
-        from engine.ops.triton_gather import gather_rows, gather_rows_reference
-        gather = gather_rows if self.device.type == "cuda" else gather_rows_reference
-        src, dst = self._source(layer), self.buffers[buf]
-        slot = buf if buf < self.ring_slots else None
-        self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows, dst_rows),
+        self.loaded[buf] = self.h2d.run(lambda: self.fix_rows(buf, layer, rows, dst_rows),
                                         (self.loaded[buf], compute_done(self.device, self.compute)),
                                         recorder=self.recorder, name=f"fetch L{layer} rows ahead", layer=layer,
-                                        slot=slot, compute=self.compute)
+                                        slot=buf if buf < self.ring_slots else None, compute=self.compute)
 
     def _source(self, layer: int) -> torch.Tensor:
         """One layer of the host pool as kernels read it: on CUDA through the pool's device mapping."""

@@ -50,9 +50,11 @@ if triton is not None:
             tl.store(out + h * s_oh + g * s_og + p, tl.where(ok, b, float("-inf")), mask=inside)
 
 
-def page_bounds(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """-> [Hkv, G, n] float32 bounds (see the module docstring); the kernel where Triton runs, else the reference."""
-    if triton is None or kb.stride(-1) != 1 or q.stride(-1) != 1:
+def page_bounds(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
+                kernel: bool = True) -> torch.Tensor:
+    """-> [Hkv, G, n] float32 bounds (see the module docstring); the kernel where `kernel` and Triton is there,
+    else the reference."""
+    if not kernel or triton is None or kb.stride(-1) != 1 or q.stride(-1) != 1:
         return page_bounds_reference(kb, q, pages, valid)
     hkv, d, n = kb.shape[1], q.shape[-1], pages.shape[0]
     g = q.shape[0] // hkv

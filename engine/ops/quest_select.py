@@ -27,10 +27,6 @@ except ImportError:  # CPU-only installs use the torch versions
 CHUNK = 1024   # pages per loop iteration of the softmax passes
 
 
-def triton_runs() -> bool:
-    return triton is not None
-
-
 def choose_reference(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor):
     valid = b[:, 0] > float("-inf")
     s = torch.softmax(b * scale, dim=-1).sum(1).masked_fill_(~valid, -1.0)   # [Hkv, n]
@@ -151,9 +147,13 @@ if triton is not None:
 
 
 def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: torch.Tensor, pages: torch.Tensor,
-           scores: torch.Tensor, kept: torch.Tensor) -> None:
-    """The kernel: pages [Hkv, k] (written), scores [Hkv, k], kept [Hkv] (int32); scratch [Hkv, n] float32.
-    `pages` may be `prev` itself (each head reads its row before it writes it)."""
+           scores: torch.Tensor, kept: torch.Tensor, kernel: bool = True) -> None:
+    """Into pages [Hkv, k], scores [Hkv, k], kept [Hkv] (int32): the kernel (scratch [Hkv, n] float32) where
+    `kernel` and Triton is there, else the torch version. `pages` may be `prev` itself (read before written)."""
+    if not kernel or triton is None:
+        top, sc, kp = choose_reference(b, scale, k, prev)
+        pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
+        return
     hkv, g, n = b.shape
     np2 = triton.next_power_of_2(n)
     hi = struct.unpack("<i", struct.pack("<f", g + 1.5))[0]               # above any key (scores sum to <= G)
@@ -165,9 +165,13 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,
-            count: torch.Tensor) -> None:
-    """The kernel: rows, dst [Hkv, k * page_size] (written), slots updated, count (int64 [1]) += rows fetched;
-    base and n_rows are device scalars (int64)."""
+            count: torch.Tensor, kernel: bool = True) -> None:
+    """Into rows, dst [Hkv, k * page_size], slots updated, count (int64 [1]) += rows fetched; base and n_rows are
+    device scalars (int64). The kernel where `kernel` and Triton is there, else the torch version."""
+    if not kernel or triton is None:
+        r, d, c = correct_reference(new, slots, page_ids, base, n_rows, page_size)
+        rows.copy_(r), dst.copy_(d), count.add_(c)
+        return
     hkv, k = new.shape
     _correct_kernel[(hkv,)](new, slots, page_ids, base, n_rows, rows, dst, count, k, new.stride(0), slots.stride(0),
                             rows.stride(0), dst.stride(0), KP=triton.next_power_of_2(k), PS=page_size,

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ConfigError
-from engine.ops.quest_score import page_bounds, page_bounds_reference
-from engine.ops.quest_select import choose, choose_reference, correct, correct_reference, triton_runs
+from engine.ops.quest_score import page_bounds
+from engine.ops.quest_select import choose, correct
 from engine.sparse.policy import KVLayout, LoadPlan, RowFix, SparsePolicy
 from engine.sparse.specs import SPECS
 from engine.step import StepContext
@@ -108,7 +108,7 @@ class QuestPolicy(SparsePolicy):
         self._guess_scores = torch.zeros(hkv, self.k, dtype=torch.float32, device=dev)
         self._guess_kept = torch.zeros(hkv, dtype=torch.int32, device=dev)
         self._scratch = torch.zeros(hkv, n, dtype=torch.float32, device=dev)   # the scores of every page
-        self._kernels = dev.type == "cuda" and triton_runs()
+        self._kernels = dev.type == "cuda"                      # the selection's kernels (else torch)
         self._slots = torch.full((L, hkv, self.k), -1, **lng)  # the page each packed slot of a buffer holds (-1: none)
         self._ahead_rows = torch.full((L, hkv, self.k * ps), -1, **lng)   # the fetches one layer ahead, per layer
         self._ahead_dst = torch.zeros(L, hkv, self.k * ps, **lng)         # (the copy stream reads them later)
@@ -306,22 +306,12 @@ class QuestPolicy(SparsePolicy):
         pages = self._guess if ahead else self._pages[layer]
         scores = self._guess_scores if ahead else self._scores[layer]
         kept = self._guess_kept if ahead else self._kept[layer]
-        scale = self.layout.head_dim ** -0.5
-        if self._kernels:
-            choose(b, scale, self.k, self._pages[layer], self._scratch, pages, scores, kept)
-        else:
-            top, sc, kp = choose_reference(b, scale, self.k, self._pages[layer])
-            pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
+        choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch, pages, scores, kept,
+               self._kernels)
         if mode != "choose":
             rows, dst = (self._ahead_rows[layer], self._ahead_dst[layer]) if ahead else (self._fix_rows, self._fix_dst)
-            count = self._fetched[int(ahead), layer:layer + 1]
-            if self._kernels:
-                correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows,
-                        dst, count)
-            else:
-                r, d, c = correct_reference(pages, self._slots[layer], self._page_ids, self._base, self._n_rows,
-                                            self.page_size)
-                rows.copy_(r), dst.copy_(d), count.add_(c)
+            correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows, dst,
+                    self._fetched[int(ahead), layer:layer + 1], self._kernels)
         if not ahead:
             self._write_pages(layer, pages, self._next)
 
@@ -352,11 +342,11 @@ class QuestPolicy(SparsePolicy):
             for l in chose:                        # load the previous choice ahead where it kept half its pages
                 self._speculate[l] = kept[l] / hkv >= self.k / 2
             per_layer = {l: fixes[l] / hkv for l in fixed}
-            ahead = {l: ahead[l] / hkv for l in fixed if self._ahead_at.get(l) == ctx.context_len}
-            self._step["fetched"], self._step["fetched_ahead"] = per_layer, ahead
+            early = {l: ahead[l] / hkv for l in fixed if self._ahead_at.get(l) == ctx.context_len}
+            self._step["fetched"], self._step["fetched_ahead"] = per_layer, early
             self._step["kept"] = {l: kept[l] / hkv for l in chose}
             self.fetched += sum(per_layer.values())
-            self.fetched_ahead += sum(ahead.values())
+            self.fetched_ahead += sum(early.values())
             self.fixes += len(per_layer)
 
     def fetched_rows(self) -> int:
@@ -405,8 +395,7 @@ class QuestPolicy(SparsePolicy):
     def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q [Hq, D] -> upper bounds [Hkv, G, n] of q·k over the pool pages `pages` [n] per query head, -inf where
         not `valid` (engine/ops/quest_score.py: one kernel on CUDA)."""
-        bounds = page_bounds if q.is_cuda else page_bounds_reference
-        return bounds(self.kb[layer], q, pages, valid)   # scored by engine/ops/quest_select.py (choose)
+        return page_bounds(self.kb[layer], q, pages, valid, self._kernels)   # scored by quest_select.choose
 
     # ---------------------------------------------------------------- figures
     def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:
