@@ -33,6 +33,9 @@ from engine import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
 llm = LLM(**cfg["engine"])
 llm.warm_up()                     # as the CLI and the app do at load (CUDA: kernels compiled, graphs captured)
+if cfg["traced"]:                 # as the app's worker records (app/worker.py), with no window to draw it
+    from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
+    llm.recorder = TraceRecorder(max_steps=512, device=llm.device, detail_hz=LIVE_DETAIL_HZ)
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
 out = []
@@ -44,8 +47,9 @@ print(json.dumps(out))
 """
 
 
-def engine_only(engine: dict, document: str, tokens: int, runs: int) -> list[dict]:
-    cfg = {"engine": engine, "document": document, "question": QUESTION, "tokens": tokens, "runs": runs}
+def engine_only(engine: dict, document: str, tokens: int, runs: int, traced: bool = False) -> list[dict]:
+    cfg = {"engine": engine, "document": document, "question": QUESTION, "tokens": tokens, "runs": runs,
+           "traced": traced}
     p = subprocess.run([sys.executable, "-c", ENGINE_ONLY, json.dumps(cfg)], cwd=ROOT, capture_output=True,
                        text=True, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -57,6 +61,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gil-switch-ms", type=float, default=None,
+                    help="the interpreter's switch interval with the app open (default: the app's own)")
     args = ap.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -73,6 +79,8 @@ def main() -> int:
     if args.mode:
         panel = win.policy_panel
         panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(args.mode))
+    if args.gil_switch_ms is not None:
+        sys.setswitchinterval(args.gil_switch_ms / 1e3)
     win.resize(1400, 900)
     win.show()
     wait_until(app, lambda: bool(win.document_info) and not win.is_busy(), 600, "the model and the document")
@@ -83,9 +91,10 @@ def main() -> int:
     win.new_chat()
     engine = dict(win.worker.engine_config)
     engine_only(engine, str(SAMPLE), args.tokens, 1)                           # warm-up (page cache)
-    with_app, without, refresh = [], [], []
+    with_app, without, traced, refresh = [], [], [], []
     for _ in range(args.runs):
         without += engine_only(engine, str(SAMPLE), args.tokens, 1)
+        traced += engine_only(engine, str(SAMPLE), args.tokens, 1, traced=True)
         win.new_chat()                                                         # the same prompt: no history
         win.telemetry.reset_stats()
         with_app.append(ask_and_wait(app, win, QUESTION, 600))
@@ -95,15 +104,18 @@ def main() -> int:
 
     def med(rows, key):
         return statistics.median(float(r[key]) for r in rows)
-    result = {"engine": engine, "tokens": args.tokens, "runs": args.runs,
-              "decode_tok_s": {"engine_only": med(without, "decode_tok_s"), "app": med(with_app, "decode_tok_s")},
+    result = {"engine": engine, "gil_switch_ms": sys.getswitchinterval() * 1e3, "tokens": args.tokens, "runs": args.runs,
+              "decode_tok_s": {"engine_only": med(without, "decode_tok_s"), "engine_traced": med(traced, "decode_tok_s"),
+                               "app": med(with_app, "decode_tok_s")},
               "prefill_tok_s": {"engine_only": med(without, "prefill_tok_s"), "app": med(with_app, "prefill_tok_s")},
               "completion_tokens": [r["completion_tokens"] for r in with_app + without],
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
     result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
     r = result["refresh"]
-    print(f"decode tok/s: engine only {d['engine_only']:.2f} · app open {d['app']:.2f} · slowdown "
+    print(f"GIL switch interval {result['gil_switch_ms']:.2f} ms")
+    print(f"decode tok/s: engine only {d['engine_only']:.2f} · traced as the app traces {d['engine_traced']:.2f} "
+          f"({100 * (1 - d['engine_traced'] / d['engine_only']):.1f}% slower) · app open {d['app']:.2f} · slowdown "
           f"{100 * result['decode_slowdown']:.1f}% (median of {args.runs}, {args.tokens} tokens)")
     p = result["prefill_tok_s"]
     print(f"prefill tok/s: engine only {p['engine_only']:.0f} · app open {p['app']:.0f}")

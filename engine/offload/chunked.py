@@ -12,6 +12,11 @@ the cost is not the bytes but the pieces: one load, one attention and one merge 
 6K tokens and 256-token blocks, 720 a token on the default model: 2 tokens/s on an H100). So a slot holds up to
 DECODE_GROUP_BYTES of one layer's blocks, and a decode step streams each layer's earlier blocks in groups that
 fill a slot: one load, one attention and one merge per group (a whole layer per group at these sizes).
+On CUDA, where each layer's earlier blocks fit one slot with room for the partly filled block (and no policy plans
+the loads), a decode step is layerwise decode over the ring: the partly filled block is copied in after the
+earlier blocks and the layer's compute is one CUDA graph replay (engine/offload/decode_graphs.py), instead of ~20
+launches per layer from Python (measured on an H100, the default model's shape at 6K tokens: 45.8 ms/token, of
+which 8.4 ms on the GPU).
 
 With a load-planning policy (Quest), a decode step streams for each layer what the policy plans: its pages,
 packed per kv head into one-block slots by the page gather (the loads are issued before the layer's query
@@ -19,7 +24,10 @@ exists, as in layerwise mode); the policy then sees the layer's query.
 """
 from __future__ import annotations
 
+import torch
+
 from engine.ops.attention import attention_lse, lse_output, merge_lse
+from engine.offload.decode_graphs import DecodeGraphs
 from engine.offload.runner import OffloadRunner
 from engine.offload.streams import wait_on
 from engine.sequence import Sequence
@@ -36,7 +44,11 @@ class ChunkedRunner(OffloadRunner):
         self._pos = 0  # ring position, continuing across chunks and steps
         layer_block = self.block_bytes // self.args.num_layers            # one block of one layer
         self.group = max(1, min(self.max_blocks_per_seq, DECODE_GROUP_BYTES // layer_block))
-        return self._engine(self.config.ring_slots, self.group)
+        oe = self._engine(self.config.ring_slots, self.group)
+        table = torch.arange(self.group, dtype=torch.int32, device=self.device)[None]
+        self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, table, self.chunk_tokens)
+                              if self.device.type == "cuda" and not self.config.enforce_eager else None)
+        return oe
 
     def forward(self, seq: Sequence, is_prefill: bool, ctx: StepContext):
         bs = self.block_size
@@ -69,6 +81,8 @@ class ChunkedRunner(OffloadRunner):
         for i in range(min(N, len(loads))):
             self._issue((first + i) % N, loads[i])
         h, residual, pos, cos_sin = self._inputs(seq, a, b)
+        if self._graphed(is_prefill, observe, earlier, loads):
+            return self._graph_step(seq, cb, off, b, loads, first, h, residual, cos_sin, ctx)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
                 with rec.span(COMPUTE, "attention", l):
@@ -97,6 +111,45 @@ class ChunkedRunner(OffloadRunner):
             ctx.layer_done(done + 1, total)
         self._pos = first + len(loads)
         return self._logits(h, residual, ctx)
+
+    def _graphed(self, is_prefill: bool, observe: bool, earlier: list[int], loads: list[tuple]) -> bool:
+        """Decode on CUDA where every layer streams its earlier blocks as one group with room after them."""
+        return (self.decode_graphs is not None and not is_prefill and not observe and bool(earlier)
+                and len(loads) == len(self.model.layers) and len(earlier) < self.oe.slot_blocks
+                and all(isinstance(x[1], list) and len(x[1]) == len(earlier) for x in loads))
+
+    def _graph_step(self, seq: Sequence, cb: int, off: int, end: int, loads, first: int, h, residual, cos_sin,
+                    ctx: StepContext):
+        """One decode token, layer i over ring slot (first + i) % N: the partly filled block copied in after the
+        earlier blocks, then one graph replay (q, k, v, the new token's KV into the slot, attention, MLP); the new
+        token's KV goes back to the decode buffer, which is offloaded when full."""
+        oe, graphs, rec, N, policy = self.oe, self.decode_graphs, ctx.recorder, self.oe.ring_slots, self.policy
+        host_block = seq.block_table[cb]
+        graphs.begin(h, residual, cos_sin)
+        for l, name in enumerate(self.model.layer_names):
+            slot = (first + l) % N
+            with rec.span(COMPUTE, name, l, slot=slot):
+                for ev in oe.ready(slot):
+                    wait_on(ev, self.device, rec, l, slot)
+                if rec.detail:
+                    rec.slot_state(slot, l, COMPUTING, end, oe.capacity_tokens)
+                buf = oe.buffers[slot]
+                oe.writing(slot, cb)
+                if off:
+                    buf[cb].copy_(oe.dbuf[l])
+                graphs.run(l, slot, 0, (cb, off, end))
+                if off == 0:                     # a new block: its previous contents must have left for the host
+                    wait_on(oe.dbuf_read[l], self.device, rec, l)
+                oe.dbuf[l][:, :, off].copy_(buf[cb, :, :, off])
+                policy.on_kv_written(l, host_block, oe.dbuf[l][0], off, off + 1)
+                if end % self.block_size == 0:
+                    oe.offload_dbuf(l, host_block)
+                oe.release(slot, l, end)
+                if l + N < len(loads):
+                    self._issue(slot, loads[l + N])
+            ctx.layer_done(l + 1, len(loads))
+        self._pos = first + len(loads)
+        return self._logits(graphs.h, graphs.residual, ctx)
 
     def _layer_loads(self, layer: int, earlier: list[int], end: int, is_prefill: bool, ctx: StepContext
                      ) -> tuple[list[tuple], int | None]:
