@@ -31,7 +31,7 @@ from app.quest_highlight import QuestHighlight
 from app.samples import SAMPLE
 from app.settings import restore_settings, save_settings
 from app.status import StatusBar
-from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget, yield_gil_fast
+from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.views import VIEWS, ViewSpec, build_docks
 from app.collector import GuiThreadCollector
 from app.worker import EngineThread, EngineWorker
@@ -107,7 +107,6 @@ class MainWindow(QMainWindow):
         traced = tuple(self.views[spec.name] for spec in self.view_specs if spec.telemetry)
         self.telemetry = TelemetryPump(self.worker.drain, traced, self._draw_steps, self.metrics.clear, parent=self)
         self.telemetry.start()
-        yield_gil_fast()                            # the GUI's Python never holds the engine's thread back long
         restore_settings(self)
         if self.options.get("autostart", True):
             self._request("load", self.request_load, self._engine_config())

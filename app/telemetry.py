@@ -7,16 +7,10 @@ every decode step took ~20-30% of a core and slowed decode by ~30%. So the pump 
 budget (`set_budget`: the share of one core it may use): about once a second it compares the GUI thread's CPU
 time with the budget and halves or doubles the time between draws (33 ms .. 1 s). Steps are coalesced meanwhile,
 never dropped; `flush()` draws at once (the end of an answer).
-
-The engine's thread releases the GIL in every torch op (a decode layer makes dozens), and while the GUI thread runs
-Python (drawing, painting) it keeps the GIL for up to the interpreter's switch interval once the engine asks for it
-back: 5 ms by default, far longer than a layer's work on a GPU. `yield_gil_fast()` (the window calls it) lowers it to
-GIL_SWITCH_S, so the GUI's work is cut into short slices between the engine's.
 """
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import deque
 
@@ -27,7 +21,6 @@ MAX_INTERVAL_MS = 1000  # the slowest the views are redrawn while steps arrive
 ADJUST_S = 1.0          # how often the draw interval is adapted to the budget
 
 
-GIL_SWITCH_S = 0.0005  # how long a thread may hold the GIL while another waits for it (Python's default: 5 ms)
 TIGHT_BUDGET = 0.05     # the GUI's share of a core when the engine computes on every core
 TIGHT_RENDER_MS = 250   # ... and how often the streaming answer is re-rendered then
 
@@ -42,11 +35,6 @@ def gui_budget(device: str, engine_threads: int, mode: str = "gpu", cores: int |
     if device.startswith("cpu"):
         return TIGHT_BUDGET if engine_threads >= cores else 1.0
     return TIGHT_BUDGET if mode in ("layerwise", "chunked") else 1.0
-
-
-def yield_gil_fast(seconds: float = GIL_SWITCH_S) -> None:
-    """The interpreter's switch interval for this process (see the module's docstring)."""
-    sys.setswitchinterval(seconds)
 
 
 class TelemetryPump(QObject):

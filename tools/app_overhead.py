@@ -61,8 +61,6 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--gil-switch-ms", type=float, default=None,
-                    help="the interpreter's switch interval with the app open (default: the app's own)")
     args = ap.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -79,8 +77,6 @@ def main() -> int:
     if args.mode:
         panel = win.policy_panel
         panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(args.mode))
-    if args.gil_switch_ms is not None:
-        sys.setswitchinterval(args.gil_switch_ms / 1e3)
     win.resize(1400, 900)
     win.show()
     wait_until(app, lambda: bool(win.document_info) and not win.is_busy(), 600, "the model and the document")
@@ -104,7 +100,7 @@ def main() -> int:
 
     def med(rows, key):
         return statistics.median(float(r[key]) for r in rows)
-    result = {"engine": engine, "gil_switch_ms": sys.getswitchinterval() * 1e3, "tokens": args.tokens, "runs": args.runs,
+    result = {"engine": engine, "tokens": args.tokens, "runs": args.runs,
               "decode_tok_s": {"engine_only": med(without, "decode_tok_s"), "engine_traced": med(traced, "decode_tok_s"),
                                "app": med(with_app, "decode_tok_s")},
               "prefill_tok_s": {"engine_only": med(without, "prefill_tok_s"), "app": med(with_app, "prefill_tok_s")},
@@ -113,7 +109,6 @@ def main() -> int:
     d = result["decode_tok_s"]
     result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
     r = result["refresh"]
-    print(f"GIL switch interval {result['gil_switch_ms']:.2f} ms")
     print(f"decode tok/s: engine only {d['engine_only']:.2f} · traced as the app traces {d['engine_traced']:.2f} "
           f"({100 * (1 - d['engine_traced'] / d['engine_only']):.1f}% slower) · app open {d['app']:.2f} · slowdown "
           f"{100 * result['decode_slowdown']:.1f}% (median of {args.runs}, {args.tokens} tokens)")
