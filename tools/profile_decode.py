@@ -42,10 +42,14 @@ def main() -> None:
     p.add_argument("--split", action="store_true", help="GPU time per step by what launched it: the policy's scoring "
                    "and selection, the row gathers (loads and corrections), attention, the rest; and the step's wall "
                    "time")
+    p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
               policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
+    if a.trace:
+        from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
+        llm.recorder = TraceRecorder(max_steps=512, device=llm.device, detail_hz=LIVE_DETAIL_HZ)
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=a.warm + 2 * a.steps + 4, ignore_eos=True))
     llm.step()                                     # prefill

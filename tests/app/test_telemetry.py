@@ -48,3 +48,18 @@ def test_without_a_budget_every_tick_with_steps_draws(qapp):
         pump.tick()
         time.sleep(telemetry.TICK_MS / 1000)
     assert pump.interval_ms == telemetry.TICK_MS and pump.stats()["draws"] == 20 and len(drawn) >= 20
+
+
+def test_the_interval_learned_in_a_turn_carries_over_the_idle_time_between_turns(qapp, monkeypatch):
+    monkeypatch.setattr(telemetry, "ADJUST_S", 0.05)
+    pump, drawn = _pump(cost_s=0.01, budget=0.05)
+    for _ in range(60):
+        pump.tick()
+        time.sleep(0.005)
+    learned = pump.interval_ms
+    assert learned >= 4 * telemetry.TICK_MS
+    pump._drain = lambda: []                             # between turns: nothing arrives, the GUI idles
+    for _ in range(250):                                 # (several of the budget's windows)
+        pump.tick()
+        time.sleep(0.005)
+    assert pump.interval_ms >= learned                   # (the draw of what was pending may still raise it)
