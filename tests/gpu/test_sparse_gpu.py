@@ -1,4 +1,5 @@
 """Sparse policies on a real CUDA device: the compiled kernels at a real model's head shape, and the engine."""
+import numpy as np
 import pytest
 import torch
 
@@ -91,8 +92,8 @@ def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
         outs.append(out.token_ids)
         assert 0 < out.stats.policy_stats["density"] < 1
         assert len([m for s in rec.steps for m in s.masks]) == 36 * 32
-        masks.append({(m.layer, m.head): (bytes(m.vertical), bytes(m.slash), None if m.image is None else bytes(m.image))
-                      for s in rec.steps for m in s.masks})
+        masks.append({(m.layer, m.head): (bytes(np.sort(m.vertical)), bytes(np.sort(m.slash)),    # (sets: any order)
+                                          None if m.image is None else bytes(m.image)) for s in rec.steps for m in s.masks})
         print(mode, policy, "density", round(out.stats.policy_stats["density"], 3))
         llm.close()
         del llm
@@ -101,9 +102,7 @@ def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
     differ = sum(masks[0][k] != masks[1][k] for k in masks[0])
     print(f"{policy}: (layer, head) masks that differ between the modes: {differ} of {len(masks[0])}; tokens "
           f"{outs[0]} / {outs[1]}")
-    if differ == 0:
-        assert outs[0] == outs[1]
-    else:
+    if outs[0] != outs[1]:
         assert differ / len(masks[0]) < 0.01 and outs[0][0] == outs[1][0]
 
 
@@ -131,14 +130,7 @@ def test_layerwise_decode_graphs_answer_like_eager(policy, params):
         llm.close()
         del llm
         torch.cuda.empty_cache()
-    assert masks[0].keys() == masks[1].keys()
-    differ = sum(masks[0][k] != masks[1][k] for k in masks[0])
-    print(f"{policy}: (layer, head) masks that differ between the modes: {differ} of {len(masks[0])}; tokens "
-          f"{outs[0]} / {outs[1]}")
-    if differ == 0:
-        assert outs[0] == outs[1]
-    else:
-        assert differ / len(masks[0]) < 0.01 and outs[0][0] == outs[1][0]
+    assert outs[0] == outs[1]
 
 
 def test_quest_in_chunked_mode_on_gpu():
