@@ -26,6 +26,11 @@ from bench.shapes import shape_config
 from engine.sparse import get_spec, parse_policy_spec
 
 
+def _graphs(runner) -> bool:
+    """Decode runs as CUDA graph replays: gpu mode's whole step, or the offload modes' layers."""
+    return bool(getattr(runner, "graphs", None) or getattr(runner, "decode_graphs", None) is not None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
     extra = _offload_details(ours, lengths, steps, phases)
     first = ours[0].llm
     desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
-            f"torch {torch.__version__} · graphs {'on' if gpu is not None and gpu.llm.runner.graphs else 'off'}")
+            f"torch {torch.__version__} · graphs {'on' if any(_graphs(o.llm.runner) for o in ours) else 'off'}")
     for e in [e for e in engines if not isinstance(e, Ours)] + bases:   # variants share their base's engine
         e.close()
     gc.collect()
