@@ -32,6 +32,16 @@ def _graphs(runner) -> bool:
 
 
 def main(argv=None) -> int:
+    """The bench; a bad setting (a policy's parameter, a mode it has no meaning in, ...) -> one line, exit 2."""
+    from engine.errors import KVScopeError
+    try:
+        return _main(argv)
+    except KVScopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder (default: the embedded default model)")

@@ -116,13 +116,23 @@ def main(argv=None) -> int:
     if args.json and (problem := output_file_problem(args.json, "needle.json")):   # before hours of work
         print(f"error: --json {args.json}: {problem}", file=sys.stderr)
         return 2
-    from engine import LLM
+    from engine.errors import KVScopeError
     from engine.sparse import parse_policy_spec
+    try:                                      # every policy checked before any of them runs
+        policies = parse_policy_spec(args.policy)
+        return _run(args, policies)
+    except KVScopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, policies: list[tuple[str, dict]]) -> int:
+    from engine import LLM
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     kinds = args.kinds.split(",")
     cells: list[Cell] = []
-    for policy, given in parse_policy_spec(args.policy):
+    for policy, given in policies:
         # Quest chooses at every length here (min_context 0): the grid measures its choice, not its dense fallback
         params = ({"token_budget": args.quest_budget, "page_size": args.quest_page, "min_context": 0}
                   if policy == "quest" else {})

@@ -314,6 +314,14 @@ def test_every_command_line_output_path_is_checked_before_any_work(tmp_path, com
         assert proc.stderr.startswith(f"error: {'--json ' if example else ''}{argv[-1]}: ")
 
 
+@pytest.mark.parametrize("command", [["-m", "bench", "--lengths", "600"], ["-m", "bench.needle", "needle"]])
+def test_the_benches_refuse_a_bad_policy_parameter_in_one_line(command):
+    proc = subprocess.run([sys.executable, *command, "--policies" if command[1] == "bench" else "--policy",
+                           "full,quest:page_size=8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr == "error: quest page_size must be one of 16, 32, 64, 128 (got 8)\n"
+
+
 def test_a_kv_store_that_is_a_file_is_one_warning_line_and_the_answer_comes(default_model_dir, tmp_path):
     not_a_folder = tmp_path / "kv"
     not_a_folder.write_text("a file")
