@@ -73,8 +73,9 @@ class XAttentionPolicy(SparsePrefillPolicy):
         return keep
 
     def _select(self, share: torch.Tensor) -> torch.Tensor:
-        """Keep the largest shares of each row until they sum to the threshold."""
-        p, order = share.sort(dim=-1, descending=True)
+        """Keep the largest shares of each row until they sum to the threshold (equal shares in index order: an
+        unstable sort may order them differently from run to run on CUDA, and so cut the row elsewhere)."""
+        p, order = share.sort(dim=-1, descending=True, stable=True)
         before = p.cumsum(dim=-1) - p
         kept = (before < self.threshold) & (p > 0)
         return torch.zeros_like(kept).scatter_(-1, order, kept)
