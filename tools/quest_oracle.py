@@ -9,7 +9,8 @@ finds the first answer token where they differ, answers again with Quest keeping
 that step, and prints one line per sparse layer: the needle's share of the attention (the largest over heads), for
 each page score the mass kept (mean / lowest query head) and per kv head whether the needle's pages were in (x).
 Scores: A the policy's (softmax of the page bounds per query head, summed over the group), B the largest softmax
-share over the group's heads, D the largest raw bound, O the oracle (true attention mass per page, summed).
+share over the group's heads, D the largest raw bound, O the oracle (true attention mass per page, summed); S an
+oracle that splits the same pages in all across layers and kv heads by need (mass kept, mean over the group).
 """
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def scores(q: torch.Tensor, k: torch.Tensor, w: int, sink: int, ps: int):
     return p, cand, {"A": share.sum(1), "B": share.amax(1), "D": b.amax(1), "O": mass.sum(1)}
 
 
+def split_oracle(policy, ps: int) -> dict[int, float]:
+    """S: the same number of pages in all (every sparse layer's k per kv head), split across layers and kv heads
+    by true attention mass (the best pages of all of them) -> the mass each layer keeps."""
+    masses, ctx = {}, {}
+    for layer, (q, k, _, w) in policy.kept.items():
+        p, cand, by = scores(q, k, w, policy.sink, ps)
+        masses[layer] = by["O"] / p.shape[1]                                    # [Hkv, c], mean over the group
+        fixed = p[:, :, :policy.sink].sum(-1) + p[:, :, k.shape[1] - w:].sum(-1)
+        ctx[layer] = fixed.mean(1)                                              # sink + window, per kv head
+    flat = torch.cat([m.flatten() for m in masses.values()])
+    n = min(len(flat), policy.k * sum(m.shape[0] for m in masses.values()))
+    cut = flat.topk(n).values[-1]
+    return {layer: (ctx[layer] + (m * (m >= cut)).sum(-1)).mean().item() for layer, m in masses.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -87,6 +103,7 @@ def main() -> int:
     print(f"answer token {step}: Full {show(full[step:step + 1])}, Quest {show(quest[step:step + 1])}; {policy.k} pages "
           f"per kv head, sink {policy.sink}, window {policy.window}+")
     means: dict[str, list[float]] = {}
+    split = split_oracle(policy, a.page)
     for layer, (q, k, slots, w) in sorted(policy.kept.items()):
         p, cand, by = scores(q, k, w, policy.sink, a.page)
         hkv, t = k.shape[0], k.shape[1]
@@ -101,8 +118,9 @@ def main() -> int:
             means.setdefault(name, []).append(kept.mean().item())
             line += f" | {name} {kept.mean():.3f}/{kept.min():.2f} " + "".join("x" if att[h, needle].all() else "."
                                                                           for h in range(hkv))
-        print(line)
-    print("mean over layers: " + ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in means.items()))
+        print(line + f" | S {split[layer]:.3f}")
+    print("mean over layers: " + ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in means.items())
+          + f", S {sum(split.values()) / len(split):.3f}")
     llm.close()
     return 0
 
