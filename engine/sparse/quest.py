@@ -55,7 +55,7 @@ class QuestPolicy(SparsePolicy):
         p = self.spec.validate(params)
         self.token_budget, self.page_size, self.dense_layers = p["token_budget"], p["page_size"], p["dense_layers"]
         self.min_context, self.measure_recall = p["min_context"], p["recall"]
-        self.looks_ahead = p["look_ahead"]
+        self.looks_ahead, self.centroid = p["look_ahead"], p["centroid"]
         self.wants_layer_keys = self.measure_recall        # read the layer's whole K each sparse step (slow)
         ps = self.page_size
         self.sink = -(-p["sink"] // ps) * ps
@@ -83,9 +83,11 @@ class QuestPolicy(SparsePolicy):
             raise ConfigError(f"quest page_size {self.page_size} must divide the KV block size {layout.block_size}")
         ps, dev, hkv, d, L = self.page_size, layout.device, layout.num_kv_heads, layout.head_dim, layout.num_layers
         self.pages_per_block = ppb = layout.block_size // ps
-        # per layer, pool page and kv head: the keys' element-wise [min | max] (no bounds yet: +inf | -inf)
-        self.kb = torch.empty(L, layout.num_blocks * ppb, hkv, 2 * d, dtype=layout.dtype, device=dev)
-        self.kmin, self.kmax = self.kb[..., :d], self.kb[..., d:]
+        # per layer, pool page and kv head: the keys' element-wise [min | max] (no bounds yet: +inf | -inf), and
+        # with `centroid` their mean after them
+        self.kb = torch.zeros(L, layout.num_blocks * ppb, hkv, (3 if self.centroid else 2) * d, dtype=layout.dtype,
+                              device=dev)
+        self.kmin, self.kmax = self.kb[..., :d], self.kb[..., d:2 * d]
         self.kmin.fill_(float("inf"))
         self.kmax.fill_(float("-inf"))
         n = (layout.max_blocks_per_seq or layout.num_blocks) * ppb       # pages a sequence can have
@@ -153,7 +155,9 @@ class QuestPolicy(SparsePolicy):
         hkv, _, d = keys.shape
         pages = keys[:, first * ps:last * ps].reshape(hkv, last - first, ps, d)
         at = block_id * self.pages_per_block + first
-        self.kb[layer, at:at + last - first] = torch.cat([pages.amin(dim=2), pages.amax(dim=2)], -1).transpose(0, 1)
+        parts = [pages.amin(dim=2), pages.amax(dim=2)] + ([pages.float().mean(dim=2).to(pages.dtype)]
+                                                           if self.centroid else [])
+        self.kb[layer, at:at + last - first] = torch.cat(parts, -1).transpose(0, 1)
 
     # ---------------------------------------------------------------- the runner's hooks
     def reset(self) -> None:
@@ -394,8 +398,15 @@ class QuestPolicy(SparsePolicy):
     # ---------------------------------------------------------------- selection
     def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q [Hq, D] -> upper bounds [Hkv, G, n] of q·k over the pool pages `pages` [n] per query head, -inf where
-        not `valid` (engine/ops/quest_score.py: one kernel on CUDA)."""
-        return page_bounds(self.kb[layer], q, pages, valid, self._kernels)   # scored by quest_select.choose
+        not `valid` (engine/ops/quest_score.py: one kernel on CUDA). With `centroid`, the mean of the bound and
+        q·(the page's mean key) (a torch gather: the kernel does not read the mean)."""
+        d = self.layout.head_dim
+        b = page_bounds(self.kb[layer][..., :2 * d], q, pages, valid, self._kernels)   # scored by quest_select.choose
+        if not self.centroid:
+            return b
+        mean = self.kb[layer].index_select(0, pages)[..., 2 * d:]                      # [n, Hkv, D]
+        qg = q.reshape(mean.shape[1], -1, d).to(mean.dtype)
+        return b.add_(torch.bmm(qg, mean.permute(1, 2, 0)).float()).mul_(0.5)         # -inf stays -inf
 
     # ---------------------------------------------------------------- figures
     def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:

@@ -15,9 +15,9 @@ from engine.step import StepContext
 from engine.trace import TraceRecorder
 
 
-def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2):
+def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2, **kw):
     p = QuestPolicy(token_budget=budget, page_size=page, dense_layers=dense_layers, sink=sink, recent=recent,
-                    min_context=0)
+                    min_context=0, **kw)
     p.initialize(KVLayout(layers, hkv, d, bs, torch.device("cpu"), torch.float32, blocks))
     return p
 
@@ -46,6 +46,37 @@ def test_page_bounds_follow_the_tokens_as_they_are_written():
     p.on_kv_written(0, 3, keys, 15, 16)                             # the 16th completes page 0 of block 3
     torch.testing.assert_close(p.kmin[0, 6], keys[:, :16].amin(1))
     assert torch.isinf(p.kmin[0, 7]).all()
+
+
+def test_the_centroid_score_is_the_mean_of_the_bound_and_the_mean_keys_score():
+    torch.manual_seed(1)
+    plain, mid = _policy(), _policy(centroid=True)
+    keys = torch.randn(6, 2, 32, 8)                                  # [block, Hkv, bs, D]
+    for b in range(6):
+        plain.on_kv_written(1, b, keys[b], 0, 32)
+        mid.on_kv_written(1, b, keys[b], 0, 32)
+    q, pages, valid = torch.randn(4, 8), torch.arange(12), torch.arange(12) % 3 > 0
+    mean = keys.reshape(6, 2, 2, 16, 8).mean(3).permute(1, 0, 2, 3).reshape(2, 12, 8)   # [Hkv, page, D]
+    want = (plain.bounds(1, q, pages, valid) + torch.einsum("hgd,hpd->hgp", q.reshape(2, 2, 8), mean)) / 2
+    got = mid.bounds(1, q, pages, valid)
+    torch.testing.assert_close(got[:, :, valid], want[:, :, valid])
+    assert torch.isneginf(got[:, :, ~valid]).all()
+
+
+@pytest.mark.parametrize("centroid, chosen", [(False, 4), (True, 6)])
+def test_the_centroid_score_prefers_the_page_with_more_attention_to_the_page_with_one_outlier(centroid, chosen):
+    """Page 4 holds one key far along the query (bound 6, mean 0.375), page 6 sixteen keys at 4 (bound and mean 4):
+    page 6 gets ~3x the attention (16 e^(4/sqrt 8) against e^(6/sqrt 8) + 15); the bound alone picks page 4."""
+    p = _policy(budget=48, centroid=centroid)                       # sink 16 + 1 page + window 16
+    keys = torch.zeros(6, 2, 32, 8)
+    keys[2, :, 0, 0] = 6.0                                          # page 4 (block 2, tokens 0..15): one outlier
+    keys[3, :, :16, 0] = 4.0                                        # page 6 (block 3, tokens 0..15): all of them
+    for b in range(6):
+        p.on_kv_written(0, b, keys[b], 0, 32)
+    q = torch.zeros(4, 8)
+    q[:, 0] = 1.0
+    p.observe_query(0, q, StepContext(block_table=torch.arange(6), context_len=192))
+    assert p._pages[0].flatten().tolist() == [chosen, chosen]
 
 
 def test_selection_is_per_kv_head():
