@@ -131,15 +131,14 @@ class EngineWorker(QObject):
 
     def _load(self, config: dict) -> None:
         from engine import LLM
-        from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
+        from engine.trace import TraceRecorder
         llm = LLM(progress=self.model_progress.emit, **config)
         try:                             # kernels compiled and graphs captured now, not in the user's first turn
             llm.warm_up(self.model_progress.emit)
         except BaseException:
             llm.close()
             raise
-        llm.recorder = TraceRecorder(max_steps=512, device=llm.device, on_step=self.telemetry.append,
-                                     detail_hz=LIVE_DETAIL_HZ)
+        llm.recorder = TraceRecorder.live(llm.device, on_step=self.telemetry.append)
         self.llm, self.engine_config = llm, dict(config)
         self.history, self._map_cache = [], (None, None, "")
         self._ready()

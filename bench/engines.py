@@ -141,9 +141,8 @@ class OursTraced:
     timeline at the views' redraw rate, LIVE_DETAIL_HZ): the overhead of watching, measured side by side."""
 
     def __init__(self, ours: Ours):
-        from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
-        self.ours, self.recorder = ours, TraceRecorder(max_steps=256, device=ours.llm.device,
-                                                       detail_hz=LIVE_DETAIL_HZ)
+        from engine.trace import TraceRecorder
+        self.ours, self.recorder = ours, TraceRecorder.live(ours.llm.device, max_steps=256)
         self.name = f"{ours.name}+trace"
 
     def _traced(self, fn, *args):

@@ -34,8 +34,8 @@ cfg = json.loads(sys.argv[1])
 llm = LLM(**cfg["engine"])
 llm.warm_up()                     # as the CLI and the app do at load (CUDA: kernels compiled, graphs captured)
 if cfg["traced"]:                 # as the app's worker records (app/worker.py), with no window to draw it
-    from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
-    llm.recorder = TraceRecorder(max_steps=512, device=llm.device, detail_hz=LIVE_DETAIL_HZ)
+    from engine.trace import TraceRecorder
+    llm.recorder = TraceRecorder.live(llm.device)
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
 out = []

@@ -48,8 +48,8 @@ def main() -> None:
               policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
     if a.trace:
-        from engine.trace import LIVE_DETAIL_HZ, TraceRecorder
-        llm.recorder = TraceRecorder(max_steps=512, device=llm.device, detail_hz=LIVE_DETAIL_HZ)
+        from engine.trace import TraceRecorder
+        llm.recorder = TraceRecorder.live(llm.device)
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=a.warm + 2 * a.steps + 4, ignore_eos=True))
     llm.step()                                     # prefill

@@ -53,12 +53,12 @@ def scores(q: torch.Tensor, k: torch.Tensor, w: int, sink: int, ps: int):
     return p, cand, {"A": share.sum(1), "B": share.amax(1), "D": b.amax(1), "O": mass.sum(1)}
 
 
-def split_oracle(policy, ps: int) -> dict[int, float]:
+def split_oracle(policy, scored: dict) -> dict[int, float]:
     """S: the same number of pages in all (every sparse layer's k per kv head), split across layers and kv heads
-    by true attention mass (the best pages of all of them) -> the mass each layer keeps."""
+    by true attention mass (the best pages of all of them) -> the mass each layer keeps. `scored`: layer -> scores()"""
     masses, ctx = {}, {}
     for layer, (q, k, _, w) in policy.kept.items():
-        p, cand, by = scores(q, k, w, policy.sink, ps)
+        p, cand, by = scored[layer]
         masses[layer] = by["O"] / p.shape[1]                                    # [Hkv, c], mean over the group
         fixed = p[:, :, :policy.sink].sum(-1) + p[:, :, k.shape[1] - w:].sum(-1)
         ctx[layer] = fixed.mean(1)                                              # sink + window, per kv head
@@ -103,9 +103,10 @@ def main() -> int:
     print(f"answer token {step}: Full {show(full[step:step + 1])}, Quest {show(quest[step:step + 1])}; {policy.k} pages "
           f"per kv head, sink {policy.sink}, window {policy.window}+")
     means: dict[str, list[float]] = {}
-    split = split_oracle(policy, a.page)
+    scored = {layer: scores(q, k, w, policy.sink, a.page) for layer, (q, k, _, w) in policy.kept.items()}
+    split = split_oracle(policy, scored)
     for layer, (q, k, slots, w) in sorted(policy.kept.items()):
-        p, cand, by = scores(q, k, w, policy.sink, a.page)
+        p, cand, by = scored[layer]
         hkv, t = k.shape[0], k.shape[1]
         line = f"L{layer:2d} needle {p[:, :, needle].sum(-1).max():.3f}"
         for name, s in by.items():

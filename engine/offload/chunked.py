@@ -81,7 +81,8 @@ class ChunkedRunner(OffloadRunner):
         for i in range(min(N, len(loads))):
             self._issue((first + i) % N, loads[i])
         h, residual, pos, cos_sin = self._inputs(seq, a, b)
-        if self._graphed(is_prefill, observe, earlier, loads):
+        if (self.decode_graphs is not None and not is_prefill and not observe   # decode, whole blocks, and each
+                and 0 < len(earlier) < self.oe.slot_blocks):                    # layer's in one slot, room after
             return self._graph_step(seq, cb, off, b, loads, first, h, residual, cos_sin, ctx)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
@@ -111,12 +112,6 @@ class ChunkedRunner(OffloadRunner):
             ctx.layer_done(done + 1, total)
         self._pos = first + len(loads)
         return self._logits(h, residual, ctx)
-
-    def _graphed(self, is_prefill: bool, observe: bool, earlier: list[int], loads: list[tuple]) -> bool:
-        """Decode on CUDA where every layer streams its earlier blocks as one group with room after them."""
-        return (self.decode_graphs is not None and not is_prefill and not observe and bool(earlier)
-                and len(loads) == len(self.model.layers) and len(earlier) < self.oe.slot_blocks
-                and all(isinstance(x[1], list) and len(x[1]) == len(earlier) for x in loads))
 
     def _graph_step(self, seq: Sequence, cb: int, off: int, end: int, loads, first: int, h, residual, cos_sin,
                     ctx: StepContext):

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
-from engine.trace.events import HOST, LANES, MaskSummary, QuestPick, SlotState, Span, StepTrace
+from engine.trace.events import HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, SlotState, Span, StepTrace
 
 
 class _HostSpan:
@@ -118,6 +118,13 @@ class TraceRecorder(Recorder):
         self._last_detail_us = -1e18
         self.detail = True               # between steps (loading, tokenizing) everything is recorded
         self._reset_buffers()
+
+    @classmethod
+    def live(cls, device=None, on_step: Callable[[StepTrace], None] | None = None,
+             max_steps: int = 512) -> "TraceRecorder":
+        """A recorder as the app's views use it: a decode step's per-layer timeline at their redraw rate
+        (LIVE_DETAIL_HZ), every step's figures. The tools that measure what watching costs take this one too."""
+        return cls(max_steps=max_steps, device=device, on_step=on_step, detail_hz=LIVE_DETAIL_HZ)
 
     def _reset_buffers(self):
         self._spans: list[Span] = []
