@@ -15,6 +15,6 @@ def run(argv: list[str] | None = None, config: dict | None = None) -> int:
     app.setApplicationName("kvscope")
     app.setOrganizationName("kvscope")
     app.setApplicationDisplayName("kvscope")
-    window = MainWindow(config)
+    window = MainWindow({"engine_process": True, **(config or {})})   # the engine never shares the GUI's GIL
     window.show()
     return app.exec()

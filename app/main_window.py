@@ -12,7 +12,9 @@ drawn once per draw. Stop is the worker's thread-safe `stop()`.
 `config` keys (all optional): settings_path (an INI file instead of the user's kvscope settings), engine (extra
 LLM keyword arguments under the policy panel's, e.g. model, device, max_model_len), document (opened on start
 instead of the last one / the bundled sample), max_new_tokens, restore (window layout from the settings,
-default True), autostart (load the model and open the document now, default True).
+default True), autostart (load the model and open the document now, default True), engine_process (the engine in
+a process of its own, app/engine_process.py: what `python main.py` runs; default False, the engine on the window's
+engine thread, whose `worker.llm` tests can read).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from app.status import StatusBar
 from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.views import VIEWS, ViewSpec, build_docks
 from app.collector import GuiThreadCollector
+from app.engine_process import ProcessWorker
 from app.worker import EngineThread, EngineWorker
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES
@@ -133,7 +136,7 @@ class MainWindow(QMainWindow):
     def _start_worker(self) -> None:
         self.thread = EngineThread(self)
         self.thread.setObjectName("kvscope-engine")
-        self.worker = EngineWorker()
+        self.worker = ProcessWorker() if self.options.get("engine_process") else EngineWorker()
         self.worker.moveToThread(self.thread)
         queued = Qt.ConnectionType.QueuedConnection
         self.request_load.connect(self.worker.load_model, queued)
@@ -245,7 +248,8 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_model_ready(self, info: dict) -> None:
         self.model_info = dict(info)
-        budget = gui_budget(info.get("device", ""), int(info.get("threads", 1)), info.get("mode", "gpu"))
+        budget = gui_budget(info.get("device", ""), int(info.get("threads", 1)), info.get("mode", "gpu"),
+                            separate=isinstance(self.worker, ProcessWorker))
         self.telemetry.set_budget(budget)         # the views, and the streaming answer's re-render, yield the CPU
         self.chat.set_min_render_ms(TIGHT_RENDER_MS if budget < 1 else ChatView.MIN_RENDER_MS)
         self.status.set_model(info)

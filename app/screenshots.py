@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["KVSCOPE_KV_STORE"] = str(Path(tmp) / "kv")   # a fresh disk KV tier: each shot computes its prefill
         window = MainWindow({"settings_path": str(Path(tmp) / "kvscope.ini"), "document": str(SAMPLE),
-                             "max_new_tokens": args.max_new_tokens, "restore": False})
+                             "max_new_tokens": args.max_new_tokens, "restore": False, "engine_process": True})
         width, height = (int(v) for v in args.size.lower().split("x"))
         window.resize(width, height)
         window.show()

@@ -42,7 +42,10 @@ class EngineThread(QThread):
         self.exec()
 
 
-class EngineWorker(QObject):
+class WorkerBase(QObject):
+    """The window's side of a worker: its signals, the telemetry deque, Stop. Subclasses give the slots
+    (`load_model`, `open_document`, `new_chat`, `ask`) and `close_engine`. (Slots are not overridden from one
+    worker class to another: PySide6 then runs a queued call of the override on the connecting thread, the GUI's.)"""
     model_progress = Signal(float, str)   # loading the model
     model_ready = Signal(dict)            # name, device, dtype, mode, max_model_len, plan, policies, policy, threads
     document_ready = Signal(dict)         # name, path, text, tokens, limit
@@ -57,24 +60,15 @@ class EngineWorker(QObject):
         super().__init__()
         self.llm = None
         self.engine_config: dict = {}
-        self.document: Document | None = None
         self.history: list[dict] = []
         self.telemetry: deque = deque(maxlen=max_steps)   # StepTraces, drained by the GUI
         self.turn_steps: list = []                         # the last turn's StepTraces (export)
         self._cancel = threading.Event()
-        self._map_cache: tuple = (None, None, "")          # (prompt key, token map, why none)
 
     # ---------------------------------------------------------------- called from the GUI thread
     def stop(self) -> None:
         """Thread-safe: the running answer (or prefill) stops after the current layer."""
         self._cancel.set()
-
-    def close_engine(self) -> None:
-        """Close the engine (threads joined, pinned memory freed, last disk writes done). Call it once the worker's
-        thread has finished, from the thread that owns the window."""
-        if self.llm is not None:
-            self.llm.close()
-            self.llm = None
 
     def drain(self) -> list:
         """Thread-safe: the engine steps recorded since the last call."""
@@ -82,6 +76,23 @@ class EngineWorker(QObject):
         while self.telemetry:
             out.append(self.telemetry.popleft())
         return out
+
+
+class EngineWorker(WorkerBase):
+    """The worker that owns the LLM: on the window's engine thread, or in the engine process's main thread
+    (app/engine_process.py)."""
+
+    def __init__(self, max_steps: int = 2048):
+        super().__init__(max_steps)
+        self.document: Document | None = None
+        self._map_cache: tuple = (None, None, "")          # (prompt key, token map, why none)
+
+    def close_engine(self) -> None:
+        """Close the engine (threads joined, pinned memory freed, last disk writes done). Call it once the worker's
+        thread has finished, from the thread that owns the window."""
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
 
     # ---------------------------------------------------------------- slots (worker thread)
     @Slot(dict)

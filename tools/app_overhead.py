@@ -5,7 +5,8 @@
 Without the app: a fresh process builds the LLM with the app's engine keyword arguments, warms it up as the CLI
 does, and streams the same chat messages (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
 With the app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the
-same question through its chat box. The two alternate, `--runs` each, after one warm-up each; medians are
+same question through its chat box, its engine in a process of its own as `python main.py` runs it
+(`--engine-thread`: on the window's engine thread, as before that existed). The two alternate, `--runs` each, after one warm-up each; medians are
 reported with the ratio, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
 turns. Both use the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
 """
@@ -61,6 +62,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--engine-thread", action="store_true",
+                    help="the engine on the window's engine thread (sharing the GIL with the GUI), not in a process "
+                         "of its own as `python main.py` runs it")
     args = ap.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -73,7 +77,7 @@ def main() -> int:
     app = QApplication.instance() or QApplication([])
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-overhead-"))
     win = MainWindow({"settings_path": str(tmp / "kvscope.ini"), "document": str(SAMPLE), "restore": False,
-                      "max_new_tokens": args.tokens})
+                      "max_new_tokens": args.tokens, "engine_process": not args.engine_thread})
     if args.mode:
         panel = win.policy_panel
         panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(args.mode))
@@ -109,7 +113,7 @@ def main() -> int:
     d = result["decode_tok_s"]
     result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
     r = result["refresh"]
-    print(f"decode tok/s: engine only {d['engine_only']:.2f} · traced as the app traces {d['engine_traced']:.2f} "
+    print(f"engine {'on the window thread' if args.engine_thread else 'in its own process'}; decode tok/s: engine only {d['engine_only']:.2f} · traced as the app traces {d['engine_traced']:.2f} "
           f"({100 * (1 - d['engine_traced'] / d['engine_only']):.1f}% slower) · app open {d['app']:.2f} · slowdown "
           f"{100 * result['decode_slowdown']:.1f}% (median of {args.runs}, {args.tokens} tokens)")
     p = result["prefill_tok_s"]
