@@ -3,7 +3,9 @@
 Why: the engine's decode loop is Python (per layer: waits, copies, graph replays), and so is the window's drawing.
 In one process they share the GIL, and a GPU engine in the offload modes lost about as much time as the GUI
 thread was busy (H100, the default model: layerwise decode 185 tok/s alone, 154 with the window drawing; chunked
-261 and 160) however little the window drew. In a process of its own the engine never waits for the GUI.
+261 and 160) however little the window drew. In a process of its own the engine shares no GIL with the window.
+(It still measured 32-40% slower in the window than alone in those modes on the H100, cause not found yet:
+README, "Benchmarks".)
 
 `ProcessWorker` has the `EngineWorker`'s signals, slots, `drain()`, `turn_steps`, `engine_config`, `history`,
 `stop()` and `close_engine()` (`llm` is None here) whose slots, on the window's engine thread, send the request to the child and relay
@@ -15,13 +17,16 @@ If the child dies (a crash in a driver, killed by the system), the request that 
 line, and the next request starts a new child, which loads the last model and document and gets the chat back
 (the parent keeps a copy of the history after every request): nothing the user had is lost.
 
-Pickled per step: a step without a timeline ~10 µs, one with it 0.1-0.8 ms (10 per second at most, the live
-detail rate), under 1% of a GPU decode's time.
+The child's messages go out through a thread of its own (`_Outbox`), so the engine never blocks on a full pipe
+while the window's process is slow to read it. Pickled per step: a step without a timeline ~10 µs, one with it
+0.1-0.8 ms (10 per second at most, the live detail rate), under 1% of a GPU decode's time.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import signal
+import threading
 from functools import partial
 
 from PySide6.QtCore import Slot
@@ -50,18 +55,37 @@ class SharedFlag:
         return bool(self._v.value)
 
 
-class _StepSender:
-    """The child's telemetry 'deque': each engine step goes to the window as it is recorded."""
+class _Outbox:
+    """Everything the child says to the window, in order, sent by a thread of its own: the engine never waits for
+    a full pipe (the window's process reads it only when its GUI thread lets go of the GIL). Also the child's
+    telemetry 'deque': `append(step)` queues an engine step."""
 
     def __init__(self, conn):
-        self.conn = conn
+        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.backlog = 0                                   # the most messages waiting at once since the last request
+        self.thread = threading.Thread(target=self._run, name="kvscope-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, message: tuple) -> None:
+        self.queue.put(message)
 
     def append(self, step) -> None:
-        self.conn.send(("step", step))
+        self.queue.put(("step", step))
+        self.backlog = max(self.backlog, self.queue.qsize())
 
+    def signal(self, name: str, *args) -> None:
+        self.queue.put(("signal", name, args))
 
-def _forward(conn, name: str, *args) -> None:
-    conn.send(("signal", name, args))
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(CLOSE_S)
+
+    def _run(self) -> None:
+        while (message := self.queue.get()) is not None:
+            try:
+                self.conn.send(message)
+            except OSError:                                # the window's process is gone: nothing to tell
+                return
 
 
 def serve(conn, cancel: SharedFlag) -> None:
@@ -69,9 +93,9 @@ def serve(conn, cancel: SharedFlag) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the window's: it closes this process in order
     worker = EngineWorker()
     worker._cancel = cancel
-    worker.telemetry = _StepSender(conn)
+    out = worker.telemetry = _Outbox(conn)
     for name in SIGNALS:
-        getattr(worker, name).connect(partial(_forward, conn, name))
+        getattr(worker, name).connect(partial(out.signal, name))
     try:
         while True:
             try:
@@ -84,14 +108,14 @@ def serve(conn, cancel: SharedFlag) -> None:
                 worker.history = list(args[0])
             else:
                 getattr(worker, request)(*args)
-            conn.send(("done", {"engine_config": worker.engine_config, "history": worker.history,
-                                "document": str(worker.document.path) if worker.document is not None else None}))
+            out.put(("done", {"engine_config": worker.engine_config, "history": list(worker.history),
+                              "document": str(worker.document.path) if worker.document is not None else None,
+                              "backlog": out.backlog}))
+            out.backlog = 0
     finally:
         worker.close_engine()                              # the disk tier's writes finish, pinned memory freed
-        try:
-            conn.send(("closed", None))
-        except OSError:
-            pass
+        out.put(("closed", None))
+        out.close()
 
 
 class ProcessWorker(WorkerBase):
@@ -107,6 +131,7 @@ class ProcessWorker(WorkerBase):
         self._busy_open = False
         self._quiet = False                                # a restart's own load: no busy signals to the window
         self._loaded: dict = {}                            # the last engine config and document the child had
+        self.backlog = 0                                   # the last request's most messages queued in the child
         self._start()
 
     @property
@@ -168,6 +193,7 @@ class ProcessWorker(WorkerBase):
             elif kind == "done":
                 state = rest[0]
                 self.engine_config, self.history = state["engine_config"], list(state["history"])
+                self.backlog = state["backlog"]            # steps the engine process had queued for the window, at most
                 if state["engine_config"]:
                     self._loaded = {"config": state["engine_config"], "document": state["document"]}
                 return

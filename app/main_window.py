@@ -248,8 +248,7 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_model_ready(self, info: dict) -> None:
         self.model_info = dict(info)
-        budget = gui_budget(info.get("device", ""), int(info.get("threads", 1)), info.get("mode", "gpu"),
-                            separate=isinstance(self.worker, ProcessWorker))
+        budget = gui_budget(info.get("device", ""), int(info.get("threads", 1)), info.get("mode", "gpu"))
         self.telemetry.set_budget(budget)         # the views, and the streaming answer's re-render, yield the CPU
         self.chat.set_min_render_ms(TIGHT_RENDER_MS if budget < 1 else ChatView.MIN_RENDER_MS)
         self.status.set_model(info)

@@ -27,18 +27,18 @@ TIGHT_BUDGET = 0.05     # the GUI's share of a core when the engine computes on 
 TIGHT_RENDER_MS = 250   # ... and how often the streaming answer is re-rendered then
 
 
-def gui_budget(device: str, engine_threads: int, mode: str = "gpu", cores: int | None = None,
-               separate: bool = False) -> float:
+def gui_budget(device: str, engine_threads: int, mode: str = "gpu", cores: int | None = None) -> float:
     """The GUI thread's budget: tight when the engine computes on the CPU with a thread on every core (the GUI
     would take time from it), and on a GPU in the offload modes, whose decode steps are host loops in Python
     (per layer: waits, copies, graph replays, loads) that need the GIL the GUI's drawing holds: on an H100,
     layerwise decode on the default model ran at 298 tok/s alone and 120 with the window drawing (its thread
-    22% busy). No limit where the engine leaves a core free or runs gpu mode (one graph replay per step), nor on
-    a GPU when the engine runs in a process of its own (`separate`: no GIL shared with it)."""
+    22% busy). No limit where the engine leaves a core free or runs gpu mode (one graph replay per step). (With the
+    engine in a process of its own, app/engine_process.py, the offload modes still decoded 32-40% slower with the
+    window drawing at its full rate, cause not found: the budget stays.)"""
     cores = cores or os.cpu_count() or 1
     if device.startswith("cpu"):
         return TIGHT_BUDGET if engine_threads >= cores else 1.0
-    return TIGHT_BUDGET if mode in ("layerwise", "chunked") and not separate else 1.0
+    return TIGHT_BUDGET if mode in ("layerwise", "chunked") else 1.0
 
 
 class TelemetryPump(QObject):

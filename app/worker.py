@@ -120,6 +120,7 @@ class EngineWorker(WorkerBase):
             # raises ConfigError and leaves the engine as it was)
             self.llm.set_policy(config.get("policy", "full"), config.get("policy_params") or {})
             self.engine_config = dict(config)
+            self.llm.warm_up(self.model_progress.emit)   # CUDA: its kernels and graphs now, not in the first turn
             self._ready()
             return
         check_config(**config)                    # a wrong folder or setting is refused while the loaded engine runs

@@ -134,8 +134,10 @@ class LLM:
         """CUDA: compile and capture now what a user's first request would, so it runs at the pace of later ones:
         two throwaway prompts of different lengths (compiled functions specialise on the first shape and turn
         dynamic on the second), a few decode steps each (every layer's CUDA graph in each ring buffer), the second
-        traced (gpu mode's traced graphs). Its KV leaves the prefix cache and never reaches the disk tier; nothing
-        is recorded to the engine's recorder. Nothing to do on CPU. `progress` hears that it runs."""
+        traced (gpu mode's traced graphs), both at least as long as the policy needs to run sparse
+        (`warm_up_tokens`, where the context holds it). Its KV leaves the prefix cache and never reaches the disk
+        tier; nothing is recorded to the engine's recorder. Nothing to do on CPU. `progress` hears that it runs.
+        Run it again after `set_policy` (the app does): a new policy's kernels and graphs are made then."""
         if self.device.type != "cuda":
             return
         if progress:
@@ -143,9 +145,11 @@ class LLM:
         from engine.trace.recorder import TraceRecorder
         tier, saved, self.tier = self.tier, self._recorder, None
         steps = self.config.ring_slots + 2
+        room = min(self.max_model_len, self.kv_capacity_tokens) - steps - 1
         try:
             for i, rec in enumerate((NULL_RECORDER, TraceRecorder(max_steps=16, device=self.device, nvtx=False))):
-                n = max(1, min((2 + i) * self.config.kv_block_size + 7 * (i + 1), self.max_model_len - steps - 1))
+                n = max((2 + i) * self.config.kv_block_size, self.runner.policy.warm_up_tokens()) + 7 * (i + 1)
+                n = max(1, min(n, room))
                 self._recorder = rec
                 self.generate([[(101 + 37 * j + i) % self.args.vocab_size for j in range(n)]],
                               SamplingParams(max_tokens=steps, ignore_eos=True))

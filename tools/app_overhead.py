@@ -1,9 +1,10 @@
-"""The engine with the app open vs without it, on the same turn: decode and prefill tok/s, and the GUI's refresh.
+"""The engine with the app open vs without it, on the same turn: decode tok/s, time to first token, the GUI's refresh.
 
     python tools/app_overhead.py [--runs 3] [--tokens 128] [--mode gpu] [--json out.json]
 
 Without the app: a fresh process builds the LLM with the app's engine keyword arguments, warms it up as the CLI
-does, and streams the same chat messages (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
+does, answers once (the document's KV then sits in the prefix cache, as in the window after its first turn) and
+streams the same chat messages again (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
 With the app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the
 same question through its chat box, its engine in a process of its own as `python main.py` runs it
 (`--engine-thread`: on the window's engine thread, as before that existed). The two alternate, `--runs` each, after one warm-up each; medians are
@@ -40,11 +41,11 @@ if cfg["traced"]:                 # as the app's worker records (app/worker.py),
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
 out = []
-for _ in range(cfg["runs"]):
+for _ in range(cfg["runs"] + 1):  # the first turn puts the document's KV in the prefix cache, as the app's warm-up turn
     for chunk in llm.stream(messages, SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)):
         if chunk.stats is not None:
             out.append(chunk.stats.to_dict())
-print(json.dumps(out))
+print(json.dumps(out[1:]))
 """
 
 
@@ -62,6 +63,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-draw", action="store_true",
+                    help="stop the telemetry pump during the timed turns (steps still cross to the window, nothing is "
+                         "drawn from them): separates drawing from the rest of the window's cost")
     ap.add_argument("--engine-thread", action="store_true",
                     help="the engine on the window's engine thread (sharing the GIL with the GUI), not in a process "
                          "of its own as `python main.py` runs it")
@@ -91,14 +95,18 @@ def main() -> int:
     win.new_chat()
     engine = dict(win.worker.engine_config)
     engine_only(engine, str(SAMPLE), args.tokens, 1)                           # warm-up (page cache)
-    with_app, without, traced, refresh = [], [], [], []
+    with_app, without, traced, refresh, backlog = [], [], [], [], []
     for _ in range(args.runs):
         without += engine_only(engine, str(SAMPLE), args.tokens, 1)
         traced += engine_only(engine, str(SAMPLE), args.tokens, 1, traced=True)
         win.new_chat()                                                         # the same prompt: no history
         win.telemetry.reset_stats()
+        if args.no_draw:
+            win.telemetry.stop()
         with_app.append(ask_and_wait(app, win, QUESTION, 600))
         refresh.append(win.telemetry.stats())
+        backlog.append(getattr(win.worker, "backlog", 0))
+        win.telemetry.start()
     win.close()
     app.processEvents()
 
@@ -108,6 +116,7 @@ def main() -> int:
               "decode_tok_s": {"engine_only": med(without, "decode_tok_s"), "engine_traced": med(traced, "decode_tok_s"),
                                "app": med(with_app, "decode_tok_s")},
               "prefill_tok_s": {"engine_only": med(without, "prefill_tok_s"), "app": med(with_app, "prefill_tok_s")},
+              "ttft_s": {"engine_only": med(without, "ttft_s"), "app": med(with_app, "ttft_s")},
               "completion_tokens": [r["completion_tokens"] for r in with_app + without],
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
@@ -116,11 +125,15 @@ def main() -> int:
     print(f"engine {'on the window thread' if args.engine_thread else 'in its own process'}; decode tok/s: engine only {d['engine_only']:.2f} · traced as the app traces {d['engine_traced']:.2f} "
           f"({100 * (1 - d['engine_traced'] / d['engine_only']):.1f}% slower) · app open {d['app']:.2f} · slowdown "
           f"{100 * result['decode_slowdown']:.1f}% (median of {args.runs}, {args.tokens} tokens)")
-    p = result["prefill_tok_s"]
-    print(f"prefill tok/s: engine only {p['engine_only']:.0f} · app open {p['app']:.0f}")
+    t = result["ttft_s"]
+    print(f"time to first token (the document's KV in the prefix cache, the question new): engine only "
+          f"{1e3 * t['engine_only']:.1f} ms · app open {1e3 * t['app']:.1f} ms ({t['app'] / t['engine_only']:.2f}x)")
     print(f"GUI refresh during a turn: {r['draws_per_s']:.1f} draws/s, {r['steps']:.0f} steps drawn, draw "
           f"{r['draw_ms_median']:.1f} ms median / {r['draw_ms_p95']:.1f} ms p95; GUI thread busy {100 * r['gui_cpu_share']:.1f}% "
           f"of the time ({100 * r['draw_share']:.1f}% in the pump's updates)")
+    if not args.engine_thread:
+        print(f"engine process: at most {max(backlog)} messages queued for the window in a turn"
+              + (" (the pump stopped: nothing drawn)" if args.no_draw else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

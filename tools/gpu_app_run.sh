@@ -23,10 +23,10 @@ import json, sys; d = json.load(sys.stdin)
 print(f'$mode, process $run: time to first token {d[\"ttft_s\"]:.2f} s, decode {d[\"decode_tok_s\"]:.1f} tok/s')"
   done
 done
-echo "== the window: four turns with screenshots"
+echo "== the window (its engine in a process of its own, as python main.py runs it): four turns with screenshots"
 timeout 600 $py -m app.screenshots "$out" --max-new-tokens 64 --timeout 180 2>&1 | tail -12
 echo "app.screenshots exit: $?"
-echo "== the app's cost to the engine (medians of 3 turns each way)"
-for mode in gpu layerwise; do
-  echo "-- $mode"; timeout 300 $py tools/app_overhead.py --runs 3 --tokens 64 --mode "$mode" 2>&1 | tail -3
+echo "== the app's cost to the engine (medians of 3 turns each way; decode, time to first token, the GUI's refresh)"
+for mode in gpu layerwise chunked; do
+  echo "-- $mode"; timeout 600 $py tools/app_overhead.py --runs 3 --tokens 64 --mode "$mode" 2>&1 | tail -3
 done

@@ -116,6 +116,11 @@ class SparsePolicy:
             q[:, h * g:(h + 1) * g] = causal_attention(q[:, h * g:(h + 1) * g], k[:, h:h + 1], v[:, h:h + 1], scale)
         return q
 
+    def warm_up_tokens(self) -> int:
+        """The shortest prompt that takes the policy's sparse path (LLM.warm_up makes its prompts at least this long,
+        so its kernels compile and its graphs are captured before the user's first turn). 0: any prompt."""
+        return 0
+
     def whole_layers(self) -> tuple[int, ...]:
         """Layers whose whole KV a load-planning policy reads at every decode step (layerwise mode keeps them
         resident first when a GPU KV budget is given)."""
@@ -171,6 +176,9 @@ class SparsePrefillPolicy(SparsePolicy):
     def reset(self) -> None:
         self._pairs.clear()
         self.dense_reasons.clear()
+
+    def warm_up_tokens(self) -> int:
+        return max(self.min_len, 64)
 
     def estimate(self, q, k, scale: float):
         raise NotImplementedError

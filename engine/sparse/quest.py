@@ -131,6 +131,9 @@ class QuestPolicy(SparsePolicy):
     def whole_layers(self) -> tuple[int, ...]:
         return tuple(range(min(self.dense_layers, self.layout.num_layers)))
 
+    def warm_up_tokens(self) -> int:
+        return max(self.min_context, self.token_budget + 1)
+
     def sparse(self, layer: int, context_len: int) -> bool:
         """Does `layer` attend to part of a context of context_len tokens? (and why not, in dense_reason)"""
         if layer < self.dense_layers:

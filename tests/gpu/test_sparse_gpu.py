@@ -173,3 +173,23 @@ def test_a_policy_switch_keeps_the_decode_graphs_valid():
     want = fresh.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     fresh.close()
     assert switched == want
+
+
+@pytest.mark.parametrize("mode,policy,params", [
+    ("layerwise", "quest", {"token_budget": 512, "page_size": 16, "min_context": 2048}),
+    ("gpu", "minference", {"min_len": 2048, "vertical": 256, "slash": 512, "gpu_dense_above": 1.0})])
+def test_warm_up_after_a_policy_switch_runs_the_new_policy_sparse(mode, policy, params):
+    """A policy switched on a loaded engine (the app's policy panel) is warmed up on prompts long enough for it to
+    run sparse, so its kernels compile and its graphs are captured then, not in the user's first turn."""
+    llm = LLM(shape=shape_config("smollm2-135m"), dtype="bfloat16", max_model_len=4096, mode=mode, kv_block_size=256)
+    try:
+        llm.warm_up()
+        llm.set_policy(policy, params)
+        llm.warm_up()
+        pol = llm.runner.policy
+        if policy == "quest":
+            assert pol._graphs, "Quest's selection graphs were not captured in the warm-up"
+        else:
+            assert pol.stats()["sparse"] is True and pol.stats()["sparse_layers"] == 30
+    finally:
+        llm.close()
