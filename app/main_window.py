@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QWidget
 
+from app import pyside_guard
 from app.bundle import bundle_folder, write_bundle
 from app.menus import build_menus
 from app.quest_highlight import QuestHighlight
@@ -50,6 +51,8 @@ if TYPE_CHECKING:   # the views' classes, for the attributes below
     from widgets.quest_view import QuestView
     from widgets.ring_view import RingView
     from widgets.timeline_view import TimelineView
+
+pyside_guard.install()   # PySide6 drops a reference to True at every emit of it (app/pyside_guard.py)
 
 CLOSE_WAIT_MS = 30000   # closing waits this long for the worker (a model load cannot be interrupted)
 

@@ -1,0 +1,64 @@
+"""The window's process exits cleanly: PySide6's lost references to True (app/pyside_guard.py) no longer abort it."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EMITS = r"""
+import sys
+from PySide6.QtCore import QCoreApplication, QObject, Signal
+if sys.argv[1] == "guard":
+    from app import pyside_guard
+    pyside_guard.install()
+class Source(QObject):
+    changed = Signal(bool)
+app = QCoreApplication([])
+s = Source()
+for _ in range(5000):
+    s.changed.emit(True)
+print("emitted")
+"""
+
+WINDOW = r"""
+import sys, tempfile
+from pathlib import Path
+from PySide6.QtWidgets import QApplication
+from app.main_window import MainWindow
+from app.samples import SAMPLE
+from app.screenshots import ask_and_wait, wait_until
+if __name__ == "__main__":
+    app = QApplication([])
+    tmp = Path(tempfile.mkdtemp())
+    win = MainWindow({"settings_path": str(tmp / "k.ini"), "document": str(SAMPLE), "restore": False,
+                      "max_new_tokens": 16, "engine_process": True, "engine": {"model": sys.argv[1]}})
+    win.show()
+    wait_until(app, lambda: bool(win.document_info) and not win.is_busy(), 300, "the model")
+    for _ in range(3):
+        ask_and_wait(app, win, "Who is the archivist?", 300)
+    win.close()
+    print("closed")
+"""
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "QT_QPA_PLATFORM": "offscreen"})
+
+
+def test_emitting_true_many_times_exits_cleanly_with_the_guard():
+    guarded = _run(EMITS, "guard")
+    assert guarded.returncode == 0 and "emitted" in guarded.stdout, guarded.stderr[-2000:]
+    assert "Fatal Python error" not in guarded.stderr
+    if sys.version_info < (3, 12):                 # True is immortal from 3.12 on: nothing to show there
+        bare = _run(EMITS, "bare")
+        if bare.returncode == 0:
+            pytest.skip("this PySide6 no longer drops references to True: app/pyside_guard.py can go")
+        assert "bool_dealloc" in bare.stderr       # the bug the guard is for
+
+
+def test_the_window_with_its_engine_process_exits_cleanly_after_turns(default_model_dir):
+    out = _run(WINDOW, str(default_model_dir))
+    assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-2000:]
+    assert "Fatal Python error" not in out.stderr and "Traceback" not in out.stderr
