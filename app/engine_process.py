@@ -8,8 +8,8 @@ thread was busy (H100, the default model: layerwise decode 185 tok/s alone, 154 
 README, "Benchmarks".)
 
 `ProcessWorker` has the `EngineWorker`'s signals, slots, `drain()`, `turn_steps`, `engine_config`, `history`,
-`stop()` and `close_engine()` (`llm` is None here) whose slots, on the window's engine thread, send the request to the child and relay
-what comes back until the child says the request is done: the signals as they were emitted there, and each
+`stop()` and `close_engine()` (`llm` is None here). Its slots, on the window's engine thread, send the request to
+the child and relay what comes back until the child says the request is done: the signals as they were emitted there, and each
 engine step into the telemetry deque. The child (`serve`) runs a plain `EngineWorker` on its main thread, the
 one that runs in the window's process otherwise. Stop is a flag in shared memory, read after every layer.
 
@@ -33,8 +33,6 @@ from PySide6.QtCore import Slot
 
 from app.worker import EngineWorker, WorkerBase
 
-SIGNALS = ("model_progress", "model_ready", "document_ready", "prefill_progress", "answer_text", "answer_done",
-           "token_map", "error", "busy")
 CLOSE_S = 30.0       # closing waits this long for the child to close the engine (the disk tier's last writes)
 
 
@@ -94,7 +92,7 @@ def serve(conn, cancel: SharedFlag) -> None:
     worker = EngineWorker()
     worker._cancel = cancel
     out = worker.telemetry = _Outbox(conn)
-    for name in SIGNALS:
+    for name in worker.SIGNALS:
         getattr(worker, name).connect(partial(out.signal, name))
     try:
         while True:
@@ -200,7 +198,7 @@ class ProcessWorker(WorkerBase):
 
     def _lost(self) -> None:
         """The child died during a request: say so, close what it left open, start over at the next request."""
-        code = self._proc.exitcode if self._proc is not None else None
+        code = None
         if self._proc is not None:
             self._proc.join(1.0)
             code = self._proc.exitcode

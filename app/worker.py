@@ -55,6 +55,8 @@ class WorkerBase(QObject):
     token_map = Signal(object)            # a question's prompt tokens -> document characters (Quest), or None
     error = Signal(str)                   # a readable message (never a traceback)
     busy = Signal(bool)
+    SIGNALS = ("model_progress", "model_ready", "document_ready", "prefill_progress", "answer_text", "answer_done",
+               "token_map", "error", "busy")   # the names above (the engine process relays each one)
 
     def __init__(self, max_steps: int = 2048):
         super().__init__()

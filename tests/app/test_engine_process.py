@@ -8,12 +8,12 @@ import time
 import pytest
 from PySide6.QtCore import Qt
 
-from tests.app.test_window import LONG_QUESTION, QUESTION, TURN_MS, ask, make_window, wait_ready
+from tests.app.test_window import (DOC_TEXT, LONG_QUESTION, QUESTION, TURN_MS, ask, make_window,
+                                   start_long_answer, wait_ready)
 
 
 @pytest.fixture(scope="module")
 def window(qapp, tmp_path_factory, default_model_dir):
-    from tests.app.test_window import DOC_TEXT
     doc = tmp_path_factory.mktemp("doc") / "planning.md"
     doc.write_text(DOC_TEXT)
     win = make_window(tmp_path_factory.mktemp("settings"), doc, default_model_dir, engine_process=True)
@@ -28,18 +28,13 @@ def test_the_engine_answers_from_its_own_process_and_its_steps_are_drawn(window,
     assert "Bergen" in answer["text"] and answer["stats"]["finish_reason"] in ("stop", "length")
     steps = window.worker.turn_steps
     assert [s.phase for s in steps].count("decode") == answer["stats"]["completion_tokens"] - 1
-    assert window.timeline.bar_count() > 0 and window.metrics.isVisible() is not None
+    assert window.timeline.bar_count() > 0
     assert window.worker.history[-1] == {"role": "assistant", "content": answer["text"]}
     assert window.describe()["engine"]["model"] == str(default_model_dir)
 
 
 def test_stop_reaches_the_engine_process(window, qtbot):
-    window.chat.set_sampling({"max_tokens": 1500})
-    n = len(window.chat.messages())
-    window.chat.input.setPlainText(LONG_QUESTION)
-    qtbot.mouseClick(window.chat.send_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: len(window.chat.messages()) > n + 1 and len(window.chat.messages()[-1]["text"]) > 20,
-                    timeout=TURN_MS)
+    start_long_answer(qtbot, window, 21)
     t0 = time.monotonic()
     qtbot.keyClick(window.chat.input, Qt.Key.Key_Escape)
     qtbot.waitUntil(lambda: not window.chat.is_streaming() and not window.is_busy(), timeout=20_000)
@@ -52,12 +47,7 @@ def test_stop_reaches_the_engine_process(window, qtbot):
 def test_a_dead_engine_process_is_reported_and_replaced_without_losing_the_chat(window, qtbot):
     history = list(window.worker.history)
     old = window.worker.pid
-    window.chat.set_sampling({"max_tokens": 1500})
-    n = len(window.chat.messages())
-    window.chat.input.setPlainText(LONG_QUESTION)
-    qtbot.mouseClick(window.chat.send_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: len(window.chat.messages()) > n + 1 and len(window.chat.messages()[-1]["text"]) > 5,
-                    timeout=TURN_MS)
+    start_long_answer(qtbot, window, 6)
     os.kill(old, signal.SIGKILL)                                  # as a driver crash or the OOM killer would
     qtbot.waitUntil(lambda: not window.chat.is_streaming() and not window.is_busy(), timeout=20_000)
     message = window.status.currentMessage()
@@ -72,7 +62,6 @@ def test_a_dead_engine_process_is_reported_and_replaced_without_losing_the_chat(
 
 
 def test_closing_mid_answer_ends_the_engine_process(qapp, qtbot, tmp_path, default_model_dir):
-    from tests.app.test_window import DOC_TEXT
     doc = tmp_path / "planning.md"
     doc.write_text(DOC_TEXT)
     win = make_window(tmp_path, doc, default_model_dir, max_new_tokens=1500, engine_process=True)

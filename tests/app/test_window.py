@@ -59,6 +59,18 @@ def ask(qtbot, win, question: str) -> dict:
     return win.chat.messages()[-1]
 
 
+def start_long_answer(qtbot, win, min_chars: int = 20) -> int:
+    """Send LONG_QUESTION with room for a long answer and wait until `min_chars` of it show; -> the index of the
+    answer in the chat."""
+    win.chat.set_sampling({"max_tokens": 1500})
+    n = len(win.chat.messages())
+    win.chat.input.setPlainText(LONG_QUESTION)
+    qtbot.mouseClick(win.chat.send_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(win.chat.messages()) > n + 1 and len(win.chat.messages()[-1]["text"]) >= min_chars,
+                    timeout=TURN_MS)
+    return n + 1
+
+
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory):
     path = tmp_path_factory.mktemp("doc") / "planning.md"
@@ -165,12 +177,7 @@ def test_layerwise_mode_shows_copies_and_ring_slots(window, qtbot):
 
 
 def test_stop_ends_a_long_answer_quickly_and_the_window_stays_usable(window, qtbot):
-    window.chat.set_sampling({"max_tokens": 1500})
-    n = len(window.chat.messages())
-    window.chat.input.setPlainText(LONG_QUESTION)
-    qtbot.mouseClick(window.chat.send_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: len(window.chat.messages()) > n + 1 and len(window.chat.messages()[-1]["text"]) > 20,
-                    timeout=TURN_MS)
+    start_long_answer(qtbot, window, 21)
     t0 = time.monotonic()
     qtbot.keyClick(window.chat.input, Qt.Key.Key_Escape)               # Esc = Stop
     qtbot.waitUntil(lambda: not window.chat.is_streaming() and not window.is_busy(), timeout=20_000)
