@@ -29,12 +29,13 @@ TIGHT_RENDER_MS = 250   # ... and how often the streaming answer is re-rendered 
 
 def gui_budget(device: str, engine_threads: int, mode: str = "gpu", cores: int | None = None) -> float:
     """The GUI thread's budget: tight when the engine computes on the CPU with a thread on every core (the GUI
-    would take time from it), and on a GPU in the offload modes, whose decode steps are host loops in Python
-    (per layer: waits, copies, graph replays, loads) that need the GIL the GUI's drawing holds: on an H100,
-    layerwise decode on the default model ran at 298 tok/s alone and 120 with the window drawing (its thread
-    22% busy). No limit where the engine leaves a core free or runs gpu mode (one graph replay per step). (With the
-    engine in a process of its own, app/engine_process.py, the offload modes still decoded 32-40% slower with the
-    window drawing at its full rate, cause not found: the budget stays.)"""
+    would take time from it), and on a GPU in the offload modes, whose decode steps are host loops in Python (per
+    layer: waits, copies, graph replays, loads), bound by one host core's speed. Sharing the GIL was the first
+    reason (engine thread, H100, default model: layerwise 298 tok/s alone, 120 with the window drawing). With the
+    engine in a process of its own (app/engine_process.py) the window drawing at its full rate (~8 draws/s, its
+    GUI thread 30% busy) still cost layerwise 19-25% and chunked 27-30%, while the tight budget costs nothing
+    measurable (tools/app_overhead.py, 8-10 interleaved rounds): other work on the host slows that one core (a
+    CPU-burning process alone slowed chunked decode 0.81-0.83x, in bimodal turns: tools/host_load.py). No limit where the engine leaves a core free or runs gpu mode (one graph replay per step)."""
     cores = cores or os.cpu_count() or 1
     if device.startswith("cpu"):
         return TIGHT_BUDGET if engine_threads >= cores else 1.0

@@ -1,15 +1,19 @@
 """The engine with the app open vs without it, on the same turn: decode tok/s, time to first token, the GUI's refresh.
 
-    python tools/app_overhead.py [--runs 3] [--tokens 128] [--mode gpu] [--json out.json]
+    python tools/app_overhead.py [--runs 8] [--tokens 128] [--mode gpu] [--json out.json]
 
-Without the app: a fresh process builds the LLM with the app's engine keyword arguments, warms it up as the CLI
-does, answers once (the document's KV then sits in the prefix cache, as in the window after its first turn) and
-streams the same chat messages again (the sample document and question, greedy, `--tokens` answer tokens, EOS ignored), as `main.py chat` does.
+Without the app: a process of its own builds the LLM with the app's engine keyword arguments, warms it up as the CLI
+does, answers once (the document's KV then sits in the prefix cache, as in the window after its first turn), then
+answers the same chat messages on request (the sample document and question, greedy, `--tokens` answer tokens,
+EOS ignored), as `main.py chat` does: untraced, and traced as the app's worker records (no window to draw it).
 With the app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the
 same question through its chat box, its engine in a process of its own as `python main.py` runs it
-(`--engine-thread`: on the window's engine thread, as before that existed). The two alternate, `--runs` each, after one warm-up each; medians are
-reported with the ratio, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
-turns. Both use the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
+(`--engine-thread`: on the window's engine thread, as before that existed). After one warm-up each, the three
+take turns, `--runs` rounds, the order rotating each round, every process alive throughout: they see the same host
+(a GPU host's decode in the offload modes is bound by Python on the host and varied by +-30% from turn to turn
+there, so the rounds must interleave, and medians of a few are not enough). Medians are reported with their
+ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's turns. All use the
+same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
 """
 from __future__ import annotations
 
@@ -32,34 +36,57 @@ import json, sys
 from app.documents import load_document
 from app.prompt import document_messages
 from engine import LLM, SamplingParams
+from engine.trace import NULL_RECORDER, TraceRecorder
 cfg = json.loads(sys.argv[1])
 llm = LLM(**cfg["engine"])
 llm.warm_up()                     # as the CLI and the app do at load (CUDA: kernels compiled, graphs captured)
-if cfg["traced"]:                 # as the app's worker records (app/worker.py), with no window to draw it
-    from engine.trace import TraceRecorder
-    llm.recorder = TraceRecorder.live(llm.device)
+traced = TraceRecorder.live(llm.device)   # as the app's worker records (app/worker.py), with no window to draw it
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
-out = []
-for _ in range(cfg["runs"] + 1):  # the first turn puts the document's KV in the prefix cache, as the app's warm-up turn
-    for chunk in llm.stream(messages, SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)):
+params = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)
+
+def turn():
+    for chunk in llm.stream(messages, params):
         if chunk.stats is not None:
-            out.append(chunk.stats.to_dict())
-print(json.dumps(out[1:]))
+            return chunk.stats.to_dict()
+
+turn()                            # the document's KV into the prefix cache, as the app's warm-up turn
+print("ready", flush=True)
+for line in sys.stdin:            # "plain" or "traced": one turn, its stats as one JSON line
+    llm.recorder = traced if line.strip() == "traced" else NULL_RECORDER
+    print(json.dumps(turn()), flush=True)
+llm.close()
 """
 
 
-def engine_only(engine: dict, document: str, tokens: int, runs: int, traced: bool = False) -> list[dict]:
-    cfg = {"engine": engine, "document": document, "question": QUESTION, "tokens": tokens, "runs": runs,
-           "traced": traced}
-    p = subprocess.run([sys.executable, "-c", ENGINE_ONLY, json.dumps(cfg)], cwd=ROOT, capture_output=True,
-                       text=True, check=True)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+class EngineOnly:
+    """The engine without the app, in a process of its own that answers a turn on request."""
+
+    def __init__(self, engine: dict, document: str, tokens: int):
+        cfg = {"engine": engine, "document": document, "question": QUESTION, "tokens": tokens}
+        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE_ONLY, json.dumps(cfg)], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._read()                                  # "ready" (or the process's failure)
+
+    def _read(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine-only process ended (exit code {self.proc.wait()})")
+        return line
+
+    def turn(self, traced: bool) -> dict:
+        self.proc.stdin.write("traced\n" if traced else "plain\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--json", type=Path, default=None)
@@ -94,11 +121,10 @@ def main() -> int:
     ask_and_wait(app, win, QUESTION, 600)                                      # warm-up (compiles, caches)
     win.new_chat()
     engine = dict(win.worker.engine_config)
-    engine_only(engine, str(SAMPLE), args.tokens, 1)                           # warm-up (page cache)
+    alone = EngineOnly(engine, str(SAMPLE), args.tokens)
     with_app, without, traced, refresh, backlog = [], [], [], [], []
-    for _ in range(args.runs):
-        without += engine_only(engine, str(SAMPLE), args.tokens, 1)
-        traced += engine_only(engine, str(SAMPLE), args.tokens, 1, traced=True)
+
+    def app_turn() -> None:
         win.new_chat()                                                         # the same prompt: no history
         win.telemetry.reset_stats()
         if args.no_draw:
@@ -107,6 +133,11 @@ def main() -> int:
         refresh.append(win.telemetry.stats())
         backlog.append(getattr(win.worker, "backlog", 0))
         win.telemetry.start()
+    turns = [lambda: without.append(alone.turn(False)), lambda: traced.append(alone.turn(True)), app_turn]
+    for i in range(args.runs):                                                 # the order rotates every round
+        for k in range(3):
+            turns[(i + k) % 3]()
+    alone.close()
     win.close()
     app.processEvents()
 
@@ -119,6 +150,7 @@ def main() -> int:
               "ttft_s": {"engine_only": med(without, "ttft_s"), "engine_traced": med(traced, "ttft_s"),
                          "app": med(with_app, "ttft_s")},
               "completion_tokens": [r["completion_tokens"] for r in with_app + without],
+              "turns": {"engine_only": without, "engine_traced": traced, "app": with_app},
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
     result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
