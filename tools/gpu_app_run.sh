@@ -26,7 +26,7 @@ done
 echo "== the window (its engine in a process of its own, as python main.py runs it): four turns with screenshots"
 timeout 600 $py -m app.screenshots "$out" --max-new-tokens 64 --timeout 180 2>&1 | tail -12
 echo "app.screenshots exit: $?"
-echo "== the app's cost to the engine (medians of 3 turns each way; decode, time to first token, the GUI's refresh)"
+echo "== the app's cost to the engine (medians of 8 interleaved rounds; decode, time to first token, the GUI's refresh)"
 for mode in gpu layerwise chunked; do
-  echo "-- $mode"; timeout 600 $py tools/app_overhead.py --runs 3 --tokens 64 --mode "$mode" 2>&1 | tail -3
+  echo "-- $mode"; timeout 600 $py tools/app_overhead.py --runs 8 --tokens 64 --mode "$mode" 2>&1 | tail -3
 done
