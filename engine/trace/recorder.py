@@ -42,7 +42,8 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
-from engine.trace.events import HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, SlotState, Span, StepTrace
+from engine.trace.events import (HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
+                                 StepTrace)
 
 
 class _HostSpan:
@@ -292,15 +293,13 @@ class TraceRecorder(Recorder):
         order = {lane: i for i, lane in enumerate(LANES)}
         spans.sort(key=lambda s: (order.get(s.lane, len(order)), s.lane, s.t0_us, -s.t1_us))
         slots.sort(key=lambda s: s.t_us)
-        quest, bulk = quest
-        for q in quest:
+        single, bulk = quest
+        for q in single:
             q.blocks, q.scores = _to_numpy(q.blocks), _to_numpy(q.scores)
             q.positions = None if q.positions is None else _to_numpy(q.positions)
-        for layers, pages, scores, n_pages, positions, page_size, step in bulk:
-            pages, scores, positions = _to_numpy(pages), _to_numpy(scores), _to_numpy(positions)
-            for i, (layer, n) in enumerate(zip(layers, n_pages)):
-                quest += [QuestPick(step, layer, h, pages[i, h], scores[i, h], n, positions[i, h], page_size)
-                          for h in range(pages.shape[1])]
+        quest = QuestPicks(single, [(step, layers, _to_numpy(pages, np.int32), _to_numpy(scores), n_pages,
+                                     _to_numpy(positions, np.int32), page_size)
+                                    for layers, pages, scores, n_pages, positions, page_size, step in bulk])
         for m in masks:
             m.vertical, m.slash = _to_numpy(m.vertical), _to_numpy(m.slash)
             m.image = None if m.image is None else _to_numpy(m.image)
@@ -368,9 +367,10 @@ def _grab(x, async_ok: bool):
     return np.asarray(x)
 
 
-def _to_numpy(x) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x
-    if str(getattr(x, "dtype", "")) == "torch.bfloat16":
-        x = x.float()
-    return x.numpy()
+def _to_numpy(x, dtype=None) -> np.ndarray:
+    """A grabbed array as numpy (`dtype`: narrowed to it, e.g. page ids to int32)."""
+    if not isinstance(x, np.ndarray):
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+            x = x.float()
+        x = x.numpy()
+    return x if dtype is None else x.astype(dtype, copy=False)

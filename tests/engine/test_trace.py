@@ -350,3 +350,29 @@ def test_spans_sharing_an_end_stay_nested_after_rounding():
     assert check_chrome_trace(trace) == []
     ends = {e["name"]: e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == COMPUTE}
     assert abs(ends["mlp"] - ends["layer 14"]) < 1e-6
+
+
+def test_bulk_quest_picks_expand_per_layer_and_head_and_pickle_as_arrays():
+    """A step's picks recorded in bulk read as one QuestPick per (layer, kv head), and cross a pipe as arrays."""
+    import pickle
+    rec = TraceRecorder()
+    L, H, k = 4, 3, 5
+    pages = torch.arange(L * H * k).reshape(L, H, k)
+    scores = torch.rand(L, H, k)
+    rec.begin_step("decode", 1)
+    rec.quest_picks([2, 3, 4, 5], pages, scores, [40, 41, 42, 43], pages + 1000, 16)
+    pages += 7                                     # later in-place changes do not reach the record
+    step = rec.end_step()
+    assert len(step.quest) == L * H and bool(step.quest)
+    picks = {(p.layer, p.kv_head): p for p in step.quest}
+    assert sorted(picks) == [(layer, h) for layer in (2, 3, 4, 5) for h in range(H)]
+    p = picks[(4, 1)]
+    assert p.blocks.tolist() == list(range((2 * H + 1) * k, (2 * H + 2) * k)) and p.n_blocks == 42
+    assert p.positions.tolist() == (p.blocks + 1000).tolist() and p.page_size == 16 and p.step == step.step
+    assert np.allclose(p.scores, scores[2, 1].numpy())
+    blob = pickle.dumps(step)
+    back = pickle.loads(blob)
+    assert [(q.layer, q.kv_head, q.blocks.tolist(), q.scores.tolist()) for q in back.quest] == \
+           [(q.layer, q.kv_head, q.blocks.tolist(), q.scores.tolist()) for q in step.quest]
+    # three arrays (int32 pages and positions, float32 scores) and little else, not 12 objects of 3 arrays each
+    assert len(blob) < 3 * L * H * k * 4 + 1500
