@@ -89,6 +89,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
+    ap.add_argument("--policy", default=None, help="set in the policy panel before the first turn, as "
+                    "name[:key=value...], e.g. quest:min_context=1024:token_budget=1024 (the sample is ~5.8K tokens)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-draw", action="store_true",
                     help="stop the telemetry pump during the timed turns (steps still cross to the window, nothing is "
@@ -112,6 +114,10 @@ def main() -> int:
     if args.mode:
         panel = win.policy_panel
         panel.mode_combo.setCurrentIndex(panel.mode_combo.findData(args.mode))
+    if args.policy:                                   # applied at the warm-up question (the window reloads then)
+        from engine.sparse import parse_policy_spec
+        (name, params), = parse_policy_spec(args.policy)
+        win.policy_panel.set_config({"policy": name, "policy_params": params})
     win.resize(1400, 900)
     win.show()
     wait_until(app, lambda: bool(win.document_info) and not win.is_busy(), 600, "the model and the document")
