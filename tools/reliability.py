@@ -1,14 +1,16 @@
 """Reliability figures (issue 17): memory over many chat turns, Stop, closing the window mid-turn, the disk tier.
 
-    python tools/reliability.py                                  # every part, 200 turns (~7 min on 2 CPU cores)
-    python tools/reliability.py --turns 200 --parts memory,cancel,close,disk --json out.json
+    python tools/reliability.py                                  # every part, 200 turns (~10 min on 2 CPU cores)
+    python tools/reliability.py --turns 200 --parts memory,memory-process,cancel,close,disk --json out.json
 
 All on the real engine with the embedded default model on the CPU (or CUDA when there is one). Each part runs in
 a fresh process; this one only collects and prints a report with the measured figures and PASS/FAIL per goal.
 
-- memory: `--turns` chat turns through app/worker.py's EngineWorker on its own EngineThread (as the window runs it; a
-  short document, 8 answer tokens, the disk tier on, a new chat every 10 turns so the context stays bounded).
-  Resident memory at turn 20 and at the last turn (goal: growth <= 5 %), threads and open files (goal: equal).
+- memory: `--turns` chat turns through app/worker.py's EngineWorker on its own EngineThread (the window's engine
+  thread; a short document, 8 answer tokens, the disk tier on, a new chat every 10 turns so the context stays
+  bounded). Resident memory at turn 20 and at the last turn (goal: growth <= 5 %), threads and open files (goal:
+  equal). memory-process: the same through app/engine_process.py's ProcessWorker (the engine in a process of its
+  own, as `python main.py` runs it), the figures of both processes.
 - cancel: the main window (offscreen) in gpu, layerwise and chunked mode: Stop (`MainWindow.stop()`, the Stop
   button's path: the worker's thread-safe flag) during the prefill of a ~1.7K-token document and during decode;
   the time from Stop to the engine's next check of the flag and to the worker's busy(False) (the engine idle),
@@ -43,7 +45,7 @@ for p in (str(ROOT), str(TOOLS)):
 for k, v in (("OPENBLAS_NUM_THREADS", "1"), ("OMP_WAIT_POLICY", "PASSIVE"), ("QT_QPA_PLATFORM", "offscreen")):
     os.environ.setdefault(k, v)
 
-PARTS = ("memory", "cancel", "close", "disk")
+PARTS = ("memory", "memory-process", "cancel", "close", "disk")
 MODES = ("gpu", "layerwise", "chunked")
 SHORT_DOC = ("# Harbour log\n\nThe harbour office keeps a log of every ship that enters the port: its name, its "
              "flag, the berth it was given and the hour it arrived. The log is kept by Ingrid Solberg, who has "
@@ -54,17 +56,18 @@ QUESTIONS = ("Who keeps the log?", "Where do long ships berth?", "When does the 
              "What does the log record?", "Where do late arrivals wait?", "Since when has the office been run?")
 
 
-def proc_figures() -> dict:
-    """This process's resident memory (KiB), open file descriptors and threads (OS and Python)."""
+def proc_figures(pid: int | None = None) -> dict:
+    """A process's resident memory (KiB), open file descriptors and threads (OS; and Python's, for this one)."""
     try:
         import psutil
-        p = psutil.Process()
+        p = psutil.Process(pid)
         rss, fds, tasks = p.memory_info().rss // 1024, p.num_fds(), p.num_threads()
     except ImportError:
-        status = Path("/proc/self/status").read_text()
+        where = Path(f"/proc/{pid or 'self'}")
+        status = (where / "status").read_text()
         rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
-        fds, tasks = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
-    return {"rss_kib": rss, "fds": fds, "threads": tasks, "py_threads": threading.active_count()}
+        fds, tasks = len(os.listdir(where / "fd")), len(os.listdir(where / "task"))
+    return {"rss_kib": rss, "fds": fds, "threads": tasks, "py_threads": threading.active_count() if pid is None else 0}
 
 
 def _layers(step) -> list[float]:
@@ -138,17 +141,44 @@ class WorkerHarness:
         self.worker.close_engine()
 
 
-def part_memory(turns: int) -> dict:
+class ProcessHarness:
+    """The engine in a process of its own, as `python main.py` runs it (app/engine_process.py's ProcessWorker): its
+    slots relay a request to the engine process and return when it is done, here on the calling thread."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from app import pyside_guard
+        from app.engine_process import ProcessWorker
+        pyside_guard.install()                         # as the window does (busy(True) is emitted here)
+        self.worker = ProcessWorker()
+        self.errors, self.answers = [], []
+        self.worker.answer_done.connect(self.answers.append)
+        self.worker.error.connect(self.errors.append)
+        w = self.worker
+        self.requests = SimpleNamespace(**{k: SimpleNamespace(emit=f) for k, f in (
+            ("load", w.load_model), ("open", w.open_document), ("ask", w.ask), ("new_chat", w.new_chat))})
+
+    def call(self, signal, *args, timeout: float = 900) -> None:
+        signal.emit(*args)
+        if self.errors:
+            raise RuntimeError(f"the worker reported: {self.errors[-1]}")
+
+    def close(self) -> None:
+        self.worker.close_engine()
+
+
+def part_memory(turns: int, process: bool = False) -> dict:
     from PySide6.QtCore import QCoreApplication
     app = QCoreApplication.instance() or QCoreApplication([sys.argv[0]])   # noqa: F841 - the threads' event loops
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-rel-mem-"))
     doc = tmp / "harbour.md"
     doc.write_text(SHORT_DOC)
-    h = WorkerHarness()
+    h = ProcessHarness() if process else WorkerHarness()
     h.call(h.requests.load, {"device": "cpu", "mode": "gpu", "max_model_len": 2048, "kv_block_size": 64,
                              "kv_store": str(tmp / "kv"), "policy": "full", "policy_params": {}})
     h.call(h.requests.open, str(doc))
-    marks, t0 = {}, time.perf_counter()
+    marks, engine_marks, t0 = {}, {}, time.perf_counter()
     checkpoints = {1, 20, turns} | set(range(50, turns + 1, 50))
     for turn in range(1, turns + 1):
         if turn % 10 == 1 and turn > 1:
@@ -157,11 +187,14 @@ def part_memory(turns: int) -> dict:
         h.worker.drain()                               # the window's telemetry pump does this ~30 times a second
         if turn in checkpoints:
             marks[turn] = proc_figures()
+            if process:
+                engine_marks[turn] = proc_figures(h.worker.pid)
     elapsed = time.perf_counter() - t0
     h.close()
     cancelled = sum(a["finish_reason"] == "cancelled" for a in h.answers)
-    return {"turns": turns, "seconds": elapsed, "marks": marks, "answers": len(h.answers), "cancelled": cancelled,
-            "prompt_tokens_max": max(a["prompt_tokens"] for a in h.answers)}
+    return {"turns": turns, "seconds": elapsed, "marks": marks, "engine_marks": engine_marks, "answers": len(h.answers),
+            "cancelled": cancelled, "prompt_tokens_max": max(a["prompt_tokens"] for a in h.answers),
+            "engine_process": process}
 
 
 # ------------------------------------------------------------------ cancel (child)
@@ -290,20 +323,27 @@ def verdict(ok: bool) -> str:
 
 
 def report_memory(r: dict) -> list[tuple[str, bool]]:
-    m = {int(k): v for k, v in r["marks"].items()}
-    a, b = m[20], m[r["turns"]]
-    growth = (b["rss_kib"] - a["rss_kib"]) / a["rss_kib"] * 100
-    print(f"memory: {r['turns']} turns in {r['seconds']:.0f} s ({r['seconds'] / r['turns']:.2f} s/turn; "
+    where = "the engine in a process of its own" if r.get("engine_process") else "the engine worker on its thread"
+    print(f"memory ({where}): {r['turns']} turns in {r['seconds']:.0f} s ({r['seconds'] / r['turns']:.2f} s/turn; "
           f"{r['answers']} answers, {r['cancelled']} cancelled; longest prompt {r['prompt_tokens_max']} tokens)")
-    for turn in sorted(m):
-        v = m[turn]
-        print(f"  turn {turn:>4}: RSS {v['rss_kib'] / 1024:7.1f} MiB  fds {v['fds']:>3}  threads {v['threads']:>3} "
-              f"(python {v['py_threads']})")
-    goals = [(f"RSS growth turn 20 -> {r['turns']}: {growth:+.2f} % (goal <= 5 %)", growth <= 5),
-             (f"threads {a['threads']} -> {b['threads']} (goal: no growth)", b["threads"] <= a["threads"]),
-             (f"open files {a['fds']} -> {b['fds']} (goal: no growth)", b["fds"] <= a["fds"]),
-             (f"every turn answered ({r['answers']} of {r['turns']})",
-              r["answers"] == r["turns"] and not r["cancelled"])]
+    goals = []
+    for name, marks in (("the window's side (the ProcessWorker)" if r.get("engine_process") else "", r["marks"]),
+                        ("engine process", r.get("engine_marks") or {})):
+        if not marks:
+            continue
+        m = {int(k): v for k, v in marks.items()}
+        a, b = m[20], m[r["turns"]]
+        growth = (b["rss_kib"] - a["rss_kib"]) / a["rss_kib"] * 100
+        label = f"{name}: " if name else ""
+        for turn in sorted(m):
+            v = m[turn]
+            print(f"  {label}turn {turn:>4}: RSS {v['rss_kib'] / 1024:7.1f} MiB  fds {v['fds']:>3}  threads "
+                  f"{v['threads']:>3}" + (f" (python {v['py_threads']})" if v["py_threads"] else ""))
+        goals += [(f"{label}RSS growth turn 20 -> {r['turns']}: {growth:+.2f} % (goal <= 5 %)", growth <= 5),
+                  (f"{label}threads {a['threads']} -> {b['threads']} (goal: no growth)", b["threads"] <= a["threads"]),
+                  (f"{label}open files {a['fds']} -> {b['fds']} (goal: no growth)", b["fds"] <= a["fds"])]
+    goals.append((f"every turn answered ({r['answers']} of {r['turns']})",
+                  r["answers"] == r["turns"] and not r["cancelled"]))
     return goals
 
 
@@ -352,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:                                     # one part, in this (fresh) process
-        result = part_memory(args.turns) if args.child == "memory" else part_cancel(tuple(args.modes.split(",")),
-                                                                                     args.repeats)
+        result = (part_memory(args.turns, args.child == "memory-process") if args.child.startswith("memory") else
+                  part_cancel(tuple(args.modes.split(",")), args.repeats))
         args.out.write_text(json.dumps(result))
         return 0
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -369,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TMPDIR"] = tempfile.tempdir = scratch.name                 # (the parts' processes inherit it)
     for part in parts:
         t = time.perf_counter()
-        if part == "memory":
-            raw[part] = run_child("memory", ["--turns", str(args.turns)], 3600)
+        if part.startswith("memory"):
+            raw[part] = run_child(part, ["--turns", str(args.turns)], 3600)
             goals += report_memory(raw[part])
         elif part == "cancel":
             raw[part] = run_child("cancel", ["--modes", args.modes, "--repeats", str(args.repeats)], 3600)
