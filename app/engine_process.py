@@ -4,14 +4,14 @@ Why: the engine's decode loop is Python (per layer: waits, copies, graph replays
 In one process they share the GIL, and a GPU engine in the offload modes lost about as much time as the GUI
 thread was busy (H100, the default model: layerwise decode 185 tok/s alone, 154 with the window drawing; chunked
 261 and 160) however little the window drew. In a process of its own the engine shares no GIL with the window.
-(It still measured 32-40% slower in the window than alone in those modes on the H100, cause not found yet:
-README, "Benchmarks".)
+(Measured with tools/app_overhead.py on the H100: with full attention the window costs no measurable decode speed
+in any mode; with Quest in layerwise mode it still costs ~20%, cause not found: README, "Benchmarks".)
 
 `ProcessWorker` has the `EngineWorker`'s signals, slots, `drain()`, `turn_steps`, `engine_config`, `history`,
 `stop()` and `close_engine()` (`llm` is None here). Its slots, on the window's engine thread, send the request to
-the child and relay what comes back until the child says the request is done: the signals as they were emitted there, and each
-engine step into the telemetry deque. The child (`serve`) runs a plain `EngineWorker` on its main thread, the
-one that runs in the window's process otherwise. Stop is a flag in shared memory, read after every layer.
+the child and relay what comes back until the child says the request is done: the signals as they were emitted
+there, and each engine step into the telemetry deque. The child (`serve`) runs a plain `EngineWorker` on its main
+thread, the one that runs in the window's process otherwise. Stop is a flag in shared memory, read after every layer.
 
 If the child dies (a crash in a driver, killed by the system), the request that was running reports it in one
 line, and the next request starts a new child, which loads the last model and document and gets the chat back

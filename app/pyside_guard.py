@@ -9,9 +9,9 @@ more references and failed only sometimes, as "none_dealloc" once).
 
 `install()` parks references to `True` and `None` that the bug may eat: each one is one emit more before trouble
 (half a million each, 8 MB: a turn loses a few dozen). They sit in a list that is itself leaked on purpose (one
-extra reference no one drops): freed at exit, it would hand back references the bug already took, and the count would reach zero there.
-From Python 3.12 both are immortal and nothing is needed. `tests/app/test_exits.py`
-shows the bug and the guard (a process that emits them 5,000 times exits 0 with the guard, aborts without it).
+extra reference no one drops): freed at exit, it would hand back references the bug already took, and the count
+would reach zero there. From Python 3.12 both are immortal and nothing is needed. `tests/app/test_exits.py` shows
+the bug and the guard (a process that emits them 5,000 times exits 0 with the guard, aborts without it).
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ def gui_budget(device: str, engine_threads: int, mode: str = "gpu", cores: int |
     engine in a process of its own (app/engine_process.py) the window drawing at its full rate (~8 draws/s, its
     GUI thread 30% busy) still cost layerwise 19-25% and chunked 27-30%, while the tight budget costs nothing
     measurable (tools/app_overhead.py, 8-10 interleaved rounds): other work on the host slows that one core (a
-    CPU-burning process alone slowed chunked decode 0.81-0.83x, in bimodal turns: tools/host_load.py). No limit where the engine leaves a core free or runs gpu mode (one graph replay per step)."""
+    CPU-burning process alone slowed chunked decode 0.81-0.83x, in bimodal turns: tools/host_load.py). No limit
+    where the engine leaves a core free or runs gpu mode (one graph replay per step)."""
     cores = cores or os.cpu_count() or 1
     if device.startswith("cpu"):
         return TIGHT_BUDGET if engine_threads >= cores else 1.0
