@@ -4,16 +4,16 @@
 
 Without the app: a process of its own builds the LLM with the app's engine keyword arguments, warms it up as the CLI
 does, answers once (the document's KV then sits in the prefix cache, as in the window after its first turn), then
-answers the same chat messages on request (the sample document and question, greedy, `--tokens` answer tokens,
-EOS ignored), as `main.py chat` does: untraced, and traced as the app's worker records (no window to draw it).
-With the app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the
-same question through its chat box, its engine in a process of its own as `python main.py` runs it
-(`--engine-thread`: on the window's engine thread, as before that existed). After one warm-up each, the three
-take turns, `--runs` rounds, the order rotating each round, every process alive throughout: they see the same host
-(a GPU host's decode in the offload modes is bound by Python on the host and varied by +-30% from turn to turn
-there, so the rounds must interleave, and medians of a few are not enough). Medians are reported with their
-ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's turns. All use the
-same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
+answers the same chat messages on request (the sample document and question, greedy, `--tokens` answer tokens, EOS
+ignored), as `main.py chat` does: untraced, and traced as the app's worker records (no window to draw it). With the
+app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the same question
+through its chat box, its engine in a process of its own as `python main.py` runs it (`--engine-thread`: on the
+window's engine thread, as before that existed). After one warm-up each, the three (four with `--control`: a second
+engine-only process) take turns, `--runs` rounds, the order rotating each round, every process alive throughout: they
+see the same host (a GPU host's decode in the offload modes is bound by Python on the host and varied by +-30% from
+turn to turn there, so the rounds must interleave, and medians of a few are not enough). Medians are reported with
+their ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's turns. All use
+the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
 """
 from __future__ import annotations
 
@@ -95,6 +95,9 @@ def main() -> int:
     ap.add_argument("--no-draw", action="store_true",
                     help="stop the telemetry pump during the timed turns (steps still cross to the window, nothing is "
                          "drawn from them): separates drawing from the rest of the window's cost")
+    ap.add_argument("--control", action="store_true",
+                    help="a second engine-only process, started beside the first, answers traced turns in the rotation: "
+                         "two identical processes side by side show this host's spread between processes")
     ap.add_argument("--engine-thread", action="store_true",
                     help="the engine on the window's engine thread (sharing the GIL with the GUI), not in a process "
                          "of its own as `python main.py` runs it")
@@ -128,7 +131,8 @@ def main() -> int:
     win.new_chat()
     engine = dict(win.worker.engine_config)
     alone = EngineOnly(engine, str(SAMPLE), args.tokens)
-    with_app, without, traced, refresh, backlog = [], [], [], [], []
+    other = EngineOnly(engine, str(SAMPLE), args.tokens) if args.control else None
+    with_app, without, traced, control, refresh, backlog = [], [], [], [], [], []
 
     def app_turn() -> None:
         win.new_chat()                                                         # the same prompt: no history
@@ -140,10 +144,14 @@ def main() -> int:
         backlog.append(getattr(win.worker, "backlog", 0))
         win.telemetry.start()
     turns = [lambda: without.append(alone.turn(False)), lambda: traced.append(alone.turn(True)), app_turn]
+    if other is not None:
+        turns.append(lambda: control.append(other.turn(True)))
     for i in range(args.runs):                                                 # the order rotates every round
-        for k in range(3):
-            turns[(i + k) % 3]()
+        for k in range(len(turns)):
+            turns[(i + k) % len(turns)]()
     alone.close()
+    if other is not None:
+        other.close()
     win.close()
     app.processEvents()
 
@@ -156,7 +164,8 @@ def main() -> int:
               "ttft_s": {"engine_only": med(without, "ttft_s"), "engine_traced": med(traced, "ttft_s"),
                          "app": med(with_app, "ttft_s")},
               "completion_tokens": [r["completion_tokens"] for r in with_app + without],
-              "turns": {"engine_only": without, "engine_traced": traced, "app": with_app},
+              "turns": {"engine_only": without, "engine_traced": traced, "app": with_app,
+                        **({"control_traced": control} if control else {})},
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
     result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
@@ -171,6 +180,11 @@ def main() -> int:
     print(f"GUI refresh during a turn: {r['draws_per_s']:.1f} draws/s, {r['steps']:.0f} steps drawn, draw "
           f"{r['draw_ms_median']:.1f} ms median / {r['draw_ms_p95']:.1f} ms p95; GUI thread busy {100 * r['gui_cpu_share']:.1f}% "
           f"of the time ({100 * r['draw_share']:.1f}% in the pump's updates)")
+    if control:
+        c = med(control, "decode_tok_s")
+        result["decode_tok_s"]["control_traced"] = c
+        print(f"control, a second engine-only process, traced: decode {c:.2f} tok/s ({c / d['engine_traced']:.2f}x the "
+              f"first one traced), TTFT {1e3 * med(control, 'ttft_s'):.1f} ms")
     if not args.engine_thread:
         print(f"engine process: at most {max(backlog)} messages queued for the window in a turn"
               + (" (the pump stopped: nothing drawn)" if args.no_draw else ""))

@@ -9,10 +9,16 @@ thread takes while it draws at its full rate), one burning a whole core, four bu
 turn's tok/s are printed. The offload modes' decode is a Python loop over the layers on one host core; gpu mode
 replays one graph per step. This is why the window keeps its drawing to a small budget in the offload modes on a
 GPU even with the engine in a process of its own (app/telemetry.py, `gui_budget`).
+
+`--cpus` first times the host alone: the same pure-Python loop (about 10 ms) on each CPU in turn, twice, with
+nothing else of ours running. On the H100 machine it took 9.7-25.9 ms depending on the CPU and the moment (the same
+CPU moved between the two ends from one pass to the next): the host's speed, not the engine, sets the spread of
+host-bound decode there.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -33,13 +39,38 @@ while True:
 VARIANTS = {"nothing else": None, "30% of a core": (0.3, 1), "a whole core": (1.0, 1), "4 x 30% of a core": (0.3, 4)}
 
 
+def _loop(n: int = 200_000) -> float:
+    t = time.perf_counter()
+    s = 0
+    for i in range(n):
+        s += i * i
+    return time.perf_counter() - t
+
+
+def cpu_speeds() -> None:
+    """The same loop pinned to each CPU in turn (median of 5), two passes; the process's affinity is restored."""
+    cpus = sorted(os.sched_getaffinity(0))
+    for n in (1, 2):
+        ms = {}
+        for c in cpus:
+            os.sched_setaffinity(0, {c})
+            _loop(20_000)
+            ms[c] = 1e3 * statistics.median(_loop() for _ in range(5))
+        os.sched_setaffinity(0, cpus)
+        print(f"pass {n}, ms per loop by CPU: " + " ".join(f"{c}:{v:.1f}" for c, v in ms.items())
+              + f"  (spread {max(ms.values()) / min(ms.values()):.2f}x)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", default="layerwise")
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--length", type=int, default=5800)
+    ap.add_argument("--cpus", action="store_true", help="first time a fixed loop on each CPU, twice (no engine)")
     args = ap.parse_args()
+    if args.cpus:
+        cpu_speeds()
     import torch
 
     from bench.shapes import shape_config
