@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
@@ -14,6 +13,7 @@ from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.offload.tier import model_identity, open_tier
 from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats
+from engine.model_folder import load_tokenizer, resolve_model_dir
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config
 from engine.sampling import SamplingParams
@@ -53,10 +53,10 @@ class LLM:
             self.model_dir, self.model_name = None, f"random weights, {shape} shape"
             args = parse_config(cfg.shape, f"shape {shape}")
         else:
-            self.model_dir = _resolve_model_dir(cfg.model, progress)
+            self.model_dir = resolve_model_dir(cfg.model, progress)
             self.model_name = self.model_dir.name
             args = read_config(self.model_dir)
-            self.tokenizer = _load_tokenizer(self.model_dir)
+            self.tokenizer = load_tokenizer(self.model_dir)
         self.args = args
         self.max_model_len = cfg.max_model_len or args.max_position_embeddings
         if self.max_model_len > args.max_position_embeddings and cfg.shape is None:  # random weights: any length
@@ -387,26 +387,5 @@ def check_config(**config) -> None:
     spec.check_mode(cfg.mode)
     spec.validate(cfg.policy_params)
     if cfg.model is not None:
-        read_config(_resolve_model_dir(cfg.model, None))
+        read_config(resolve_model_dir(cfg.model, None))
 
-
-def _resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
-    if model is None:
-        from engine.defaults import ensure_default_model
-        return ensure_default_model(progress)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelError(f"model folder not found: {path}; --model takes a Hugging Face model folder "
-                         "(config.json, *.safetensors, tokenizer files), or leave it out for the default model")
-    return path
-
-
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
-        raise ModelError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); the folder needs "
-                         "tokenizer.json or tokenizer.model with tokenizer_config.json") from None
-    tok.model_max_length = 1 << 40  # the engine checks lengths itself, against the real limits, with better words
-    return tok

@@ -28,6 +28,7 @@ MAX_ROWS = 1024      # query rows evaluated at most (all of them below this)
 VS_BLOCK = 64        # MInferencePolicy's default block (BM)
 XA_IMAGE = 128       # XAttentionPolicy's picture size at most (its _IMAGE)
 MINFERENCE, XATTENTION = "minference", "xattention"
+MEAN_HEADS = -1       # a head index that stands for all the heads: their mean, or their sum
 NAMES = {MINFERENCE: "MInference", XATTENTION: "XAttention"}
 
 

@@ -8,7 +8,7 @@ the rows of prompt tokens that came from the prefix cache. One query head, or th
 mask's right, beyond a splitter, a small layers × heads grid gives each head's recorded density (click a cell to
 show that layer and head); it keeps the room its axes and cells need, so it always fits in the view (the window's
 minimum size counts it, and the caption's wrapped lines). The newest prefill with masks is shown; a chooser goes
-back to earlier ones.
+back to earlier ones. The caption and the hover texts are worded in widgets/mask_text.py.
 
 Binning a mask takes ~15 ms per head (the mean of the heads: all of them), so with `threaded=True` (the app) it
 runs on a background thread: the view asks for the cells it shows, keeps drawing the previous picture meanwhile
@@ -26,25 +26,16 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
 
 from engine.trace.events import PREFILL
 from widgets.heatmap_view import HeatmapView
-from widgets.mask_pattern import MINFERENCE, NAMES, PrefillMasks, bin_edges
+from widgets.mask_pattern import MEAN_HEADS, PrefillMasks, bin_edges
+from widgets.mask_text import caption, cell_text, grid_cell_text
 from widgets.trace_common import KIND_COLORS, apply_heatmap_palette, show_hover
 
 NO_MASKS_HINT = ("no sparse prefill masks: choose MInference or XAttention and send a prompt longer than the "
                  "policy's dense-below length")
 MASK_COLOR = KIND_COLORS["attention"]
 MAX_PREFILLS = 8     # masks of a long prompt are large (MInference: ~7K ints per head and layer)
-MEAN_HEADS = -1
 LOW = 0.25           # a cell with any computed pair shows at least this much colour
 GRID_MIN_W, GRID_MIN_H = 160, 120   # the density grid: room for its axes and cells of a few pixels
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def _span(values) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
 class MaskView(HeatmapView):
@@ -310,26 +301,7 @@ class MaskView(HeatmapView):
         self._fit_caption()
 
     def _caption(self, p: PrefillMasks) -> str:
-        layer, head = self.layer(), self.head()
-        ms = p.heads(layer, head)
-        who = f"mean of {len(ms)} heads" if head == MEAN_HEADS else f"head {head}"
-        if not ms:
-            return f"{NAMES[p.kind]} · prefill step {p.step} · layer {layer} · {who}: not recorded"
-        density = float(np.mean([m.density for m in ms]))
-        text = (f"{NAMES[p.kind]} · prefill step {p.step} · layer {layer} · {who} · {p.n:,} tokens · "
-                f"density {_pct(density)}")
-        if p.offset:
-            text += f" · queries from {p.offset:,} (the first {p.offset:,} tokens came from the prefix cache)"
-        if p.kind == MINFERENCE:
-            text += (f" · {_span([len(m.vertical) for m in ms])} verticals, {_span([len(m.slash) for m in ms])} "
-                     "slashes" + (" per head" if len(ms) > 1 else ""))
-        if isinstance(self._dense, str):
-            text += f" · from an earlier prefill: the last one ran dense ({self._dense})"
-        elif self._dense and p is self._prefills[-1]:
-            layers = sorted(int(l) for l in self._dense)
-            text += (f" · layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ran dense: "
-                     + "; ".join(sorted(set(self._dense.values()))))
-        return text
+        return caption(p, self.layer(), self.head(), self._dense, p is self._prefills[-1])
 
     def _draw_grid(self) -> None:
         """The layers × heads density grid, with the layer and head shown outlined (the whole column for the mean)."""
@@ -369,9 +341,7 @@ class MaskView(HeatmapView):
 
     def grid_tooltip_at(self, layer: int, head: int) -> str:
         p = self.current()
-        if p is None or (layer, head) not in p.masks:
-            return ""
-        return f"layer {layer} · head {head} · density {_pct(p.masks[(layer, head)].density)}"
+        return "" if p is None else grid_cell_text(p, layer, head)
 
     def _on_grid_hover(self, scene_pos) -> None:
         cell = self._grid_cell(scene_pos)
@@ -386,22 +356,4 @@ class MaskView(HeatmapView):
             return ""
         if self.is_binning():
             return "binning the mask…"
-        e = self._edges
-        i, j = (int(np.searchsorted(e, v, side="right")) - 1 for v in (y, x))
-        r0, r1, c0, c1 = e[i], e[i + 1] - 1, e[j], e[j + 1] - 1
-        lines = [f"queries {r0:,}-{r1:,} · keys {c0:,}-{c1:,}"]
-        if c0 > r1:
-            lines.append("above the diagonal: a query never sees later keys")
-        elif r1 < p.offset:
-            lines.append("prefix cache: these queries were not computed in this prefill")
-        else:
-            lines.append(f"{_pct(self._fractions[i, j])} of the cell's causal pairs computed")
-            ms = p.heads(self.layer(), self.head())
-            if p.kind == MINFERENCE and self.head() != MEAN_HEADS and ms:
-                m = ms[0]
-                v = np.asarray(m.vertical).ravel()
-                d = np.asarray(m.slash).ravel()
-                nv = int(((v >= c0) & (v <= c1)).sum())
-                ns = int(((d >= max(0, r0 - c1)) & (d <= r1 - c0)).sum())
-                lines.append(f"{nv} vertical columns, {ns} slash diagonals cross it")
-        return "\n".join(lines)
+        return cell_text(p, self.layer(), self.head(), self._edges, self._fractions, x, y)

@@ -16,18 +16,15 @@ Access time = file mtime (refreshed by each read); in memory an OrderedDict in a
 share the store (two app instances): after each 1/16 of the limit written, the index learns the pages they wrote
 and forgets those they deleted, so the limit holds for all together. I/O problems never raise: an unusable root
 disables the store at open, a failed write (disk full, ...) stops writing for the rest of the run; each warns
-once. StoreWriter writes on a background thread and acknowledges every page, so the engine knows when the host
-block it keeps unchanged for the write may be reused.
+once. Pages are written on a background thread by StoreWriter (engine/offload/store_writer.py).
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import json
 import math
 import os
-import queue
 import sys
 import tempfile
 import threading
@@ -330,86 +327,3 @@ class KVStore:
         """Stop writing; reads still work."""
         self.enabled = False
 
-
-class StoreWriter:
-    """Background writer thread with acknowledgements.
-
-    submit() queues (key, page, tag); the caller keeps the page's memory unchanged until acks() has returned
-    the tag. Every tag comes back exactly once: written, already on disk, or not written (store off, error).
-    """
-
-    def __init__(self, store: KVStore, max_pending: int = 256):   # max_pending 0: unbounded
-        self.store = store
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._done = threading.Condition()  # guards _acks, _pending, _closed
-        self._acks: list = []
-        self._pending = 0
-        self._closed = False
-        self._stream = None  # the writer's CUDA stream, made at the first device page
-        self._thread = threading.Thread(target=self._run, name="kvscope-kv-writer", daemon=True)
-        self._thread.start()
-        atexit.register(self.close)  # queued pages still reach the disk at interpreter exit
-
-    @property
-    def pending(self) -> int:
-        """Pages submitted and not yet done (queued or being written)."""
-        with self._done:
-            return self._pending
-
-    def submit(self, key: str, page: torch.Tensor, tag) -> None:
-        """Queue a write; blocks while max_pending writes wait. A closed writer or disabled store acks at once."""
-        with self._done:
-            if self._closed or not self.store.enabled:
-                self._acks.append(tag)
-                return
-            self._pending += 1
-        self._queue.put((key, page, tag))
-
-    def _ack(self, tag) -> None:
-        with self._done:
-            self._acks.append(tag)
-            self._pending -= 1
-            self._done.notify_all()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, page, tag = item
-            try:
-                with self._side_stream(page):    # a device page's copy out does not queue behind the engine's kernels
-                    self.store.write(key, page)
-            except Exception as e:  # noqa: BLE001 - a bad page must not stall the engine: it is still acked
-                warnings.warn(f"KV page store: page {key} was not written ({e})", stacklevel=1)
-            item = page = None  # the caller may reuse the memory once acknowledged
-            self._ack(tag)
-
-    def _side_stream(self, page: torch.Tensor):
-        """A CUDA page is copied to the host on the writer's own stream (the caller synchronised before submit)."""
-        if not page.is_cuda:
-            return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=page.device)
-        return torch.cuda.stream(self._stream)
-
-    def acks(self) -> list:
-        """Tags whose writes finished since the last call (non-blocking)."""
-        with self._done:
-            tags, self._acks = self._acks, []
-        return tags
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is done; False if the timeout came first."""
-        with self._done:
-            return self._done.wait_for(lambda: self._pending == 0, timeout)
-
-    def close(self) -> None:
-        """Finish the queued writes and stop the thread (idempotent)."""
-        with self._done:
-            if self._closed:
-                return
-            self._closed = True
-        atexit.unregister(self.close)
-        self._queue.put(None)
-        self._thread.join()
-        while not self._queue.empty():  # a submit racing with close() came after the stop: ack it unwritten
-            if (item := self._queue.get()) is not None:
-                self._ack(item[2])

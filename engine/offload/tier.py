@@ -9,9 +9,9 @@ runner's KV memory and the page store:
   or bad page ends the run; only the rest of the prompt is computed. The block holding the last prompt token is
   always computed (its logits start the answer).
 - Write-back: when a prefill ends, and whenever decode fills a block, the full blocks not yet on disk are handed
-  to a background writer. Each such block is held (one more reference in the block manager) until its write is
-  acknowledged, so its memory is neither reused nor overwritten while the writer reads it. The partly filled
-  last block of a finished request is not a page and is not written.
+  to a background writer (engine/offload/store_writer.py). Each such block is held (one more reference in the
+  block manager) until its write is acknowledged, so its memory is neither reused nor overwritten while the
+  writer reads it. The partly filled last block of a finished request is not a page and is not written.
 - Identity: the store's namespace digests the model (config.json, weight file names, sizes and first/last MiB),
   dtype, block layout and, for sparse prefill policies (whose KV differs from dense), the policy and its
   parameters, so a page can only ever be read back by the engine that would have computed it.
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import xxhash
 
-from engine.offload.storage import KVStore, PageFormat, StoreWriter, chain_keys, default_store_dir
+from engine.offload.storage import KVStore, PageFormat, chain_keys, default_store_dir
+from engine.offload.store_writer import StoreWriter
 from engine.sequence import Sequence
 from engine.trace.events import HOST, Span
 from engine.trace.recorder import NULL_RECORDER, Recorder

@@ -23,8 +23,8 @@ TEXTS = ["Hello, world!", "naïve café 日本語 👩‍👩‍👧 مرحبا"
 @pytest.fixture(scope="module")
 def converted_tokenizer(default_model_dir):
     """The converted folder's tokenizer, loaded the way the engine loads it."""
-    from engine.llm import _load_tokenizer
-    return _load_tokenizer(default_model_dir)
+    from engine.model_folder import load_tokenizer
+    return load_tokenizer(default_model_dir)
 
 
 def test_tokenizer_files_come_from_the_gguf_alone(default_model_dir, tmp_path, monkeypatch):

@@ -1,18 +1,15 @@
 """Quest: the page bound and selection (the math, on random data), the budget's accounting, the correction with
-the current query, and the real engine running it."""
-import numpy as np
+the current query (tests/engine/test_quest_engine.py: the real engine running it)."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from engine.sparse import make_policy
 from engine.sparse.policy import KVLayout
 from engine.sparse.quest import QuestPolicy
 from engine.step import StepContext
-from engine.trace import TraceRecorder
 
 
 def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2, **kw):
@@ -252,154 +249,3 @@ def test_load_plans_per_policy():
     for name in ("full", "minference", "xattention"):
         other = make_policy(name, {}, "layerwise")
         assert not other.plans_loads and other.plan_load(1, 150, ctx) is None
-
-
-# ---------------------------------------------------------------- Quest in the real engine (the default model)
-QUEST = {"token_budget": 256, "page_size": 16, "dense_layers": 2, "min_context": 0}
-
-
-@pytest.fixture(scope="module")
-def quest_llm(default_model_dir):
-    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-             policy="quest", policy_params=QUEST) as llm:
-        yield llm
-
-
-def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
-    llm = quest_llm
-    rec = TraceRecorder()
-    llm.recorder = rec
-    prompt = list(range(2000, 2000 + 900))                       # 14 full blocks of 64 + 4 tokens
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    llm.recorder = None
-    decodes = [s for s in rec.steps if s.phase == "decode"]
-    a, block = llm.args, llm.runner.oe.block_bytes
-    per_token_layer = block // 64
-    window, budget = llm.runner.policy.window, QUEST["token_budget"]
-    rows, rows_next = budget - min(window, 902 - 896), budget - min(window, 903 - 896)   # less the device tail
-    # the step loads its layers 3.. and, ahead, the next step's layers 0, 1 (dense: 14 blocks) and 2 (sparse):
-    # every row a sparse layer attends is moved once (its plan, or fetched ahead or by the correction), and a
-    # row moved for nothing (a speculated page the query did not want) at most once more
-    dense, attended = 2 * 14 * block, ((a.num_layers - 3) * rows + rows_next) * per_token_layer
-    assert dense + attended <= decodes[1].metrics["bytes_h2d"] <= dense + 2 * attended   # a steady step
-    picks = decodes[1].quest
-    assert len(picks) == (a.num_layers - 2) * a.num_kv_heads      # every sparse layer, every kv head
-    k = llm.runner.policy.k
-    for p in picks:
-        assert len(p.blocks) == k and p.n_blocks == (902 - llm.runner.policy.window) // 16
-        assert all(1 <= int(x) < p.n_blocks for x in p.positions) # between the sink and the window
-    assert "quest_fetched" in decodes[1].metrics and out.stats.policy_stats["sparse"]
-    assert "quest_kept" in decodes[1].metrics
-
-
-def test_quest_answers_a_question_about_a_document(default_model_dir):
-    """A quarter of the context per layer (and all of it in the first two layers) still finds the fact."""
-    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=4096,
-             policy="quest", policy_params={"token_budget": 512, "page_size": 16, "min_context": 0}) as llm:
-        doc = (open(__file__.replace("tests/engine/test_quest.py", "resources/samples/kv_cache_offload_primer.md"))
-               .read()[:9000])
-        msgs = [{"role": "user", "content": doc + "\n\nQuestion: In which city is the Halvorsen lab based?"}]
-        chunks = list(llm.stream(msgs, SamplingParams(max_tokens=24)))
-    assert "Bergen" in "".join(c.text for c in chunks)
-    assert chunks[-1].stats.prompt_tokens > 4 * 512                      # Quest attends to under a quarter of it
-
-
-def test_quest_with_room_for_everything_equals_full(default_model_dir, quest_llm):
-    prompt = list(range(3000, 3000 + 200))
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-             policy="quest", policy_params={"token_budget": 1024, "min_context": 0}) as roomy, \
-         LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048) as full:
-        got = roomy.generate([prompt], params)[0]
-        assert got.token_ids == full.generate([prompt], params)[0].token_ids
-    assert not got.stats.policy_stats["sparse"] and "fits the budget" in got.stats.policy_stats["reason"]
-
-
-def test_quest_is_refused_where_it_cannot_run(default_model_dir):
-    with pytest.raises(ConfigError, match="layerwise"):
-        LLM(str(default_model_dir), device="cpu", mode="gpu", policy="quest")
-    with pytest.raises(ConfigError, match="page_size 32 must divide the KV block size 16"):
-        LLM(str(default_model_dir), device="cpu", mode="layerwise", kv_block_size=16, policy="quest",
-            policy_params={"page_size": 32})
-
-
-def test_quest_requests_in_turn_answer_as_in_a_fresh_engine(default_model_dir, quest_llm):
-    """Two prompts sharing cached blocks, one after the other: the second one's prefill is dense and unaffected
-    by the first one's page selections (a stale selection once leaked into a prefill and garbled answers)."""
-    shared = list(range(4000, 4000 + 640))
-    first, second = shared + list(range(100, 160)), shared + list(range(200, 230))
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    quest_llm.generate([first], params)
-    in_turn = quest_llm.generate([second], params)[0]
-    assert in_turn.stats.cached_tokens == 640
-    with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-             policy="quest", policy_params=QUEST) as llm:
-        fresh = llm.generate([second], params)[0]
-    assert in_turn.token_ids == fresh.token_ids
-
-
-@pytest.mark.parametrize("bs", [16, 64])
-def test_layerwise_and_chunked_attend_to_the_same_tokens(tmp_path, bs):
-    """The same choices, corrections included, executed by two runners, and with the guess one layer ahead
-    (layerwise): the same tokens, whatever each loaded before its query chose."""
-    from tests.engine.tiny import tiny_model
-    tiny_model("qwen3", tmp_path)
-    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4)).tolist()
-    outs, ahead = [], []
-    for mode, look_ahead in (("layerwise", False), ("chunked", False), ("layerwise", True)):
-        rec = TraceRecorder()
-        with LLM(str(tmp_path), device="cpu", kv_block_size=bs, mode=mode, max_model_len=400, policy="quest",
-                 recorder=rec, policy_params={"token_budget": 96, "dense_layers": 0, "min_context": 0,
-                                              "look_ahead": look_ahead}) as llm:
-            outs.append(llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0])
-        ahead.append(sum(s.metrics.get("quest_fetched_ahead", 0) for s in rec.steps))
-    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
-    assert all(o.stats.policy_stats["sparse"] for o in outs)
-    assert ahead[0] == ahead[1] == 0 < ahead[2]                     # the guess did fetch pages early
-
-
-def test_recall_measured_in_the_engine(tmp_path):
-    from tests.engine.tiny import tiny_model
-    tiny_model("qwen3", tmp_path)
-    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-
-    def stats(budget, rec=None):
-        with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400,
-                 policy="quest", policy_params={"token_budget": budget, "dense_layers": 0, "recall": True,
-                                                "min_context": 0}) as llm:
-            if rec is not None:
-                llm.recorder = rec
-            return llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].stats.policy_stats
-
-    rec = TraceRecorder()
-    tight = stats(64, rec)
-    assert tight["selections"] > 0 and set(tight["recall_per_layer"]) == {"0", "1"}
-    assert 0 < tight["recall_min_head"] <= tight["recall"] < 1
-    assert 0 < tight["recall_speculative"] < 1                      # what the previous query's choice would have had
-    assert "recall" not in stats(512)                               # the budget holds everything: never sparse
-    # each decode step's trace carries the recall it measured: per layer, their mean and the lowest layer's
-    measured = [s.metrics for s in rec.steps if "quest_recall" in s.metrics]
-    assert len(measured) == 5 and all(s.phase == "decode" for s in rec.steps if "quest_recall" in s.metrics)
-    for m in measured:                                              # the first decode step is planned from the prompt
-        layers = [m["quest_recall_l0"], m["quest_recall_l1"]]
-        assert m["quest_recall"] == pytest.approx(sum(layers) / 2) and m["quest_recall_min"] == min(layers)
-    per_layer0 = np.mean([m["quest_recall_l0"] for m in measured])
-    assert per_layer0 == pytest.approx(tight["recall_per_layer"]["0"], abs=1e-4)
-
-
-def test_a_switch_to_quest_makes_its_dense_layers_resident(default_model_dir):
-    """An engine built for Full keeps other layers resident; switched to Quest, its dense layers (read whole every
-    step) take the resident buffers, and it answers as an engine built for Quest."""
-    quest = {"token_budget": 256, "min_context": 0}
-    prompt = list(range(3000, 3000 + 900))
-    kw = dict(device="cpu", kv_block_size=64, mode="layerwise", max_model_len=1024, gpu_kv_budget_gb=0.012)
-    with LLM(str(default_model_dir), policy="full", **kw) as llm:
-        before = llm.runner.plan.resident
-        assert len(before) >= 2 and 0 not in before
-        llm.set_policy("quest", quest)
-        assert llm.runner.plan.resident[:2] == (0, 1) and len(llm.runner.plan.resident) == len(before)
-        switched = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-    with LLM(str(default_model_dir), policy="quest", policy_params=quest, **kw) as llm:
-        fresh = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-    assert switched.token_ids == fresh.token_ids
-    assert switched.stats.bytes_h2d == fresh.stats.bytes_h2d         # no dense layer streamed whole each step

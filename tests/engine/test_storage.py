@@ -15,7 +15,8 @@ import torch
 import xxhash
 
 from engine.offload import storage
-from engine.offload.storage import KVStore, PageFormat, StoreWriter, chain_keys, default_store_dir
+from engine.offload.storage import KVStore, PageFormat, chain_keys, default_store_dir
+from engine.offload.store_writer import StoreWriter
 from tests.engine.storage_pages import (BIG_LAYOUT, FMT, LAYOUT, bits, key, page, page_file_size, page_files,
                                         run_python)
 

@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch
 
-from engine.offload.storage import KVStore, PageFormat, StoreWriter
+from engine.offload.storage import KVStore, PageFormat
+from engine.offload.store_writer import StoreWriter
 from tests.engine.storage_pages import BIG_LAYOUT, FMT, LAYOUT, key, page, run_python
 
 
@@ -78,7 +79,8 @@ def test_writer_acknowledges_a_page_it_cannot_write(tmp_path):
 
 _EXITING_WRITER = """
 import sys, torch
-from engine.offload.storage import KVStore, PageFormat, StoreWriter
+from engine.offload.storage import KVStore, PageFormat
+from engine.offload.store_writer import StoreWriter
 layout = {layout}
 writer = StoreWriter(KVStore(sys.argv[1], PageFormat("exit-test", "float32", layout), 1 << 30))
 for i in range(12):

@@ -1,0 +1,36 @@
+"""The model folder an engine loads: where it is (a Hugging Face folder given as --model, or the embedded default
+model, converted on first use) and the tokenizer in it. Qt-free."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.errors import ModelError
+
+if TYPE_CHECKING:
+    from engine.defaults import Progress
+
+
+def resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
+    """The folder `model` names (ModelError if it is not one), or for None the default model's, converted on first
+    use (`progress` hears the conversion)."""
+    if model is None:
+        from engine.defaults import ensure_default_model
+        return ensure_default_model(progress)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}; --model takes a Hugging Face model folder "
+                         "(config.json, *.safetensors, tokenizer files), or leave it out for the default model")
+    return path
+
+
+def load_tokenizer(model_dir: Path):
+    """The folder's tokenizer (transformers' AutoTokenizer, from local files only), without a length limit."""
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        raise ModelError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); the folder "
+                         "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+    tok.model_max_length = 1 << 40  # the engine checks lengths itself, against the real limits, with better words
+    return tok

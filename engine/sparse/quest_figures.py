@@ -1,0 +1,71 @@
+"""What Quest reports, a base of QuestPolicy (engine/sparse/quest.py) that reads the policy's layout, budget and
+slots: with `recall` on, the true attention mass on what each sparse step attended to and on what its speculation
+had loaded (from the layer's whole K); each step's figures for its trace (recall, pages fetched, pages kept: the
+policy gathers them in `_step`); and the recall part of a request's stats (gathered in `_recall`)."""
+from __future__ import annotations
+
+import torch
+
+from engine.step import StepContext
+
+
+class QuestFigures:
+    def _measure_recall(self, layer: int, q: torch.Tensor, old: torch.Tensor, end: int, ctx: StepContext) -> None:
+        """The true attention mass on what this step attended to (the speculation as corrected: what its rows
+        hold) and on what was loaded before the layer's own query corrected it (`old`: the slots then), from the
+        layer's whole K."""
+        k = ctx.layer_keys()                                                   # [Hkv, end, D]
+        ps, hkv = self.page_size, k.shape[0]
+        window, _, _ = self._layout_for(end)
+        slots = self._slots[layer]                                             # after the correction
+        keep = torch.ones(self.k, ps, dtype=torch.bool, device=k.device)      # the last slot lost its tail
+        keep[-1, ps - (window - self.window):] = False
+        scale = self.layout.head_dim ** -0.5
+        for kind, pages in (("recall", slots), ("recall_speculative", old)):
+            attended = torch.zeros(hkv, end, dtype=torch.bool, device=k.device)
+            attended[:, :self.sink] = True
+            attended[:, end - window:] = True
+            tokens = (pages[:, :, None] * ps + self._in_page)[:, keep]
+            attended.scatter_(1, tokens.masked_fill_(pages.repeat_interleave(keep.sum(1), 1) < 0, end - 1), True)
+            r = self.recall(q, k, attended, scale)
+            self.note_recall(layer, r, kind)
+            self._step.setdefault(kind, {})[layer] = r.mean().item()
+
+    def step_metrics(self) -> dict:
+        """This step's figures for its trace, per kv head: recall (`quest_recall`: mean over the sparse layers,
+        `quest_recall_min`, `quest_recall_l<layer>`), pages fetched by the correction (`quest_fetched`,
+        `quest_fetched_l<layer>`: exposed, right before the attention) and one layer ahead
+        (`quest_fetched_ahead...`: on the copy stream), and pages of the previous choice kept (`quest_kept...`)."""
+        step, self._step = self._step, {}
+        out = {}
+        for kind, name in (("recall", "quest_recall"), ("fetched", "quest_fetched"),
+                           ("fetched_ahead", "quest_fetched_ahead"), ("kept", "quest_kept")):
+            per = step.get(kind)
+            if per:
+                out[name] = sum(per.values()) / len(per)
+                out.update({f"{name}_l{l}": v for l, v in per.items()})
+                if kind == "recall":
+                    out[name + "_min"] = min(per.values())
+        return out
+
+    def recall(self, q: torch.Tensor, keys: torch.Tensor, loaded: torch.Tensor, scale: float) -> torch.Tensor:
+        """The share of the true attention mass on the tokens that were loaded, per query head.
+
+        q [Hq, D]; keys [Hkv, T, D], all of the layer's keys (the current token's last); loaded [Hkv, T] bool."""
+        hkv, t, d = keys.shape
+        qg = q.float().reshape(hkv, -1, d)                                          # [Hkv, G, D]
+        p = torch.softmax(qg @ keys.float().transpose(1, 2) * scale, dim=-1)        # [Hkv, G, T]
+        return (p * loaded[:, None]).sum(-1).flatten()
+
+    def note_recall(self, layer: int, value: torch.Tensor, kind: str = "recall") -> None:
+        self._recall.setdefault(kind, {}).setdefault(layer, []).append(value)
+
+    def _recall_stats(self) -> dict:
+        """The recall measured over the request: mean over the sparse layers, lowest query head, per layer."""
+        out = {}
+        for kind, layers in self._recall.items():
+            per_layer = {l: torch.cat(v).mean().item() for l, v in sorted(layers.items())}
+            out[kind] = sum(per_layer.values()) / len(per_layer)
+            out[kind + "_min_head"] = min(torch.cat(v).min().item() for v in layers.values())
+            out[kind + "_per_layer"] = {str(l): round(r, 4) for l, r in per_layer.items()}
+        return out
