@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             shots = [("gpu", {"mode": "gpu", "policy": "full"}, None),
                      ("layerwise", {"mode": "layerwise", "policy": "full"}, None),
                      ("quest", {"mode": "layerwise", "policy": "quest",
-                                "policy_params": {"token_budget": 1024, "page_size": 16, "min_context": 0}}, "quest"),
+                                "policy_params": {"token_budget": 1024, "page_size": 16, "min_context": 0, "min_layer_mb": 0}}, "quest"),
                      ("minference", {"mode": "gpu", "policy": "minference",
                                      "policy_params": {"min_len": 1024, "vertical": 256, "slash": 512,   # sparse
                                                        "cpu_dense_above": 1.0, "gpu_dense_above": 1.0}}, "masks")]

@@ -133,8 +133,8 @@ def _run(args, policies: list[tuple[str, dict]]) -> int:
     kinds = args.kinds.split(",")
     cells: list[Cell] = []
     for policy, given in policies:
-        # Quest chooses at every length here (min_context 0): the grid measures its choice, not its dense fallback
-        params = ({"token_budget": args.quest_budget, "page_size": args.quest_page, "min_context": 0}
+        # Quest chooses at every length here (min_context 0, min_layer_mb 0): the grid measures its choice, not its dense fallback
+        params = ({"token_budget": args.quest_budget, "page_size": args.quest_page, "min_context": 0, "min_layer_mb": 0}
                   if policy == "quest" else {})
         params.update(given)
         llm = LLM(args.model, device=args.device, mode=args.mode, policy=policy, policy_params=params,

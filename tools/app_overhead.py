@@ -90,7 +90,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--policy", default=None, help="set in the policy panel before the first turn, as "
-                    "name[:key=value...], e.g. quest:min_context=1024:token_budget=1024 (the sample is ~5.8K tokens)")
+                    "name[:key=value...], e.g. quest:min_context=1024:min_layer_mb=0:token_budget=1024 (the sample is ~5.8K tokens)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-draw", action="store_true",
                     help="stop the telemetry pump during the timed turns (steps still cross to the window, nothing is "

@@ -32,4 +32,4 @@ for mode in gpu layerwise chunked; do
 done
 echo "-- layerwise, Quest (budget 1024, sparse from 1024 tokens: the sample runs sparse; each step carries its picks)"
 timeout 600 $py tools/app_overhead.py --runs 8 --tokens 64 --mode layerwise \
-  --policy quest:min_context=1024:token_budget=1024 2>&1 | tail -3
+  --policy quest:min_context=1024:min_layer_mb=0:token_budget=1024 2>&1 | tail -3

@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=64)
     a = ap.parse_args()
-    params = get_spec("quest").validate({"token_budget": a.budget, "page_size": a.page, "min_context": 0,
+    params = get_spec("quest").validate({"token_budget": a.budget, "page_size": a.page, "min_context": 0, "min_layer_mb": 0,
                                          "recall": True})
     llm = LLM(a.model, device="cpu", mode="layerwise", kv_block_size=a.block_size, max_model_len=a.length + 64)
     ids, _ = needle_document(llm, a.length, a.depth, a.kind)

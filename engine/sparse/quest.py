@@ -58,6 +58,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         p = self.spec.validate(params)
         self.token_budget, self.page_size, self.dense_layers = p["token_budget"], p["page_size"], p["dense_layers"]
         self.min_context, self.measure_recall = p["min_context"], p["recall"]
+        self.min_layer_bytes, self._token_bytes = p["min_layer_mb"] * 2 ** 20, 0   # (bytes per token: initialize)
         self.looks_ahead, self.centroid = p["look_ahead"], p["centroid"]
         self.wants_layer_keys = self.measure_recall        # read the layer's whole K each sparse step (slow)
         ps = self.page_size
@@ -85,6 +86,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         if layout.block_size % self.page_size:
             raise ConfigError(f"quest page_size {self.page_size} must divide the KV block size {layout.block_size}")
         ps, dev, hkv, d, L = self.page_size, layout.device, layout.num_kv_heads, layout.head_dim, layout.num_layers
+        self._token_bytes = 2 * hkv * d * layout.dtype.itemsize             # one token of one layer: K and V
         self.pages_per_block = ppb = layout.block_size // ps
         # per layer, pool page and kv head: the keys' element-wise [min | max] (no bounds yet: +inf | -inf), and
         # with `centroid` their mean after them
@@ -135,7 +137,8 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         return tuple(range(min(self.dense_layers, self.layout.num_layers)))
 
     def warm_up_tokens(self) -> int:
-        return max(self.min_context, self.token_budget + 1)
+        gate = -(-int(self.min_layer_bytes) // self._token_bytes) if self._token_bytes else 0
+        return max(self.min_context, self.token_budget + 1, gate)
 
     def sparse(self, layer: int, context_len: int) -> bool:
         """Does `layer` attend to part of a context of context_len tokens? (and why not, in dense_reason)"""
@@ -147,6 +150,12 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         if context_len < self.min_context:
             self.dense_reason = (f"the context ({context_len} tokens) is below min_context {self.min_context}: "
                                  "loading all of it costs less than choosing")
+            return False
+        if context_len * self._token_bytes < self.min_layer_bytes:
+            self.dense_reason = (f"a layer's KV at this context ({context_len * self._token_bytes / 2 ** 20:.1f} MiB) "
+                                 f"is under min_layer_mb {self.min_layer_bytes / 2 ** 20:g}: loading all of it costs "
+                                 "less than choosing (this model's reaches it at "
+                                 f"{-(-int(self.min_layer_bytes) // self._token_bytes):,} tokens)")
             return False
         return True
 

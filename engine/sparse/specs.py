@@ -145,6 +145,13 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("min_context", int, 8192, 0, 1 << 24, "below this context (tokens) every layer loads all its KV: "
                "there one contiguous copy costs less than scoring and gathering pages (the stats say so)",
                "Dense below (tokens)", step=1024),
+         Param("min_layer_mb", float, 32, 0, 1 << 20, "and while a layer's KV at the context is under this many MiB "
+               "(per token 2 x kv heads x head_dim x bytes per element), every layer loads all of it: Quest's scoring "
+               "and gathers cost a fixed ~0.4 ms per layer on the host. Measured on an H100, layerwise, budget 2048, "
+               "Full against Quest: the Qwen3-4B shape (4 KiB per token and layer) 11.7 against 16.0 ms/token at 4K "
+               "tokens (16 MiB), 22.4 against 18.2 at 8K (32 MiB), 44.4 against 19.2 at 16K; the default model (768 "
+               "B per token) at 6K, 4.5 MiB: 4.8-6.8 against 15.8-16.5 (budget 1024). So a small model stays dense.",
+               "Dense below (MiB per layer)", step=4),
          Param("look_ahead", bool, False, help="layerwise mode: guess each layer's query one layer early from the "
                "residual stream and fetch the pages it chooses on the copy stream before the layer runs (the "
                "layer's own query then corrects what is left). Off by default: the second choice per layer costs "

@@ -165,7 +165,7 @@ def test_quest_policy_from_the_command_line(capsys, tmp_path, default_model_dir)
     code, out, err = run_cli(capsys, "--document", str(doc), "--ask", "In which city is the meeting?", "--json",
                              "--max-new-tokens", "16", "--model", str(default_model_dir), "--mode", "layerwise",
                              "--block-size", "16", "--policy", "quest", "--quest-budget", "64", "--quest-page", "16",
-                             "--quest-recent", "16", "--quest-min-context", "0")
+                             "--quest-recent", "16", "--quest-min-context", "0", "--quest-min-layer-mb", "0")
     assert code == 0, err
     result = json.loads(out)
     assert result["policy"] == "quest" and result["policy_params"]["token_budget"] == 64

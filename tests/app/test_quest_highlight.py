@@ -24,7 +24,7 @@ def run(default_model_dir):
     from engine.trace import TraceRecorder
 
     llm = LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-              policy="quest", policy_params={"token_budget": 256, "page_size": 16, "min_context": 0})
+              policy="quest", policy_params={"token_budget": 256, "page_size": 16, "min_context": 0, "min_layer_mb": 0})
     llm.recorder = rec = TraceRecorder()
     messages = document_messages(DOC, QUESTION, "notes.md", None, HISTORY)
     list(llm.stream(messages, SamplingParams(max_tokens=3, ignore_eos=True)))

@@ -239,7 +239,7 @@ def test_quest_view_shows_the_pages_quest_picked(window, qtbot, tmp_path, doc):
 
 def _choose_small_quest(panel) -> None:
     """Layerwise, 64-token blocks, Quest with a 256-token budget of 16-token pages, choosing at any length (dense
-    below 0 tokens): sparse on ~1500 tokens."""
+    below 0 tokens and 0 MiB): sparse on ~1500 tokens."""
     panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
     panel.block_size.setCurrentIndex(panel.block_size.findData(64))
     panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("quest"))
@@ -247,6 +247,7 @@ def _choose_small_quest(panel) -> None:
     params["token_budget"].setValue(256)
     params["page_size"].setCurrentIndex(params["page_size"].findData(16))
     params["min_context"].setValue(0)
+    params["min_layer_mb"].setValue(0)
 
 
 def test_the_document_preview_highlights_what_quest_reads(window, qtbot, tmp_path, doc, default_model_dir):

@@ -36,7 +36,7 @@ def test_command_line_writes_every_cell(tmp_path, capsys, default_model_dir):
 # Quest at 1024 tokens, half the prompt: at 512 it misses number cells that Full finds (README's grid; on this test's
 # 1900-token prompt at depth 10% its answer ends "4812" instead of "4817" on some CPUs), a shortfall the README
 # reports, not one this acceptance check may hide behind luck.
-SPARSE = [("quest", {"token_budget": 1024, "page_size": 16, "min_context": 0}),
+SPARSE = [("quest", {"token_budget": 1024, "page_size": 16, "min_context": 0, "min_layer_mb": 0}),
           ("minference", {"min_len": 1024, "vertical": 128, "slash": 256}),
           ("xattention", {"min_len": 1024, "threshold": 0.9, "stride": 8, "block": 64})]
 

@@ -224,9 +224,9 @@ def test_quest_in_chunked_mode_streams_its_pages_and_answers_like_full_with_room
         return out, [s.metrics.get("bytes_h2d", 0) for s in decodes], rec
 
     full, full_bytes, _ = run("full", {})
-    roomy, _, _ = run("quest", {"token_budget": 512, "page_size": 16, "dense_layers": 0, "min_context": 0})
+    roomy, _, _ = run("quest", {"token_budget": 512, "page_size": 16, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0})
     assert roomy.token_ids == full.token_ids
-    tight, tight_bytes, rec = run("quest", {"token_budget": 64, "page_size": 16, "dense_layers": 0, "min_context": 0})
+    tight, tight_bytes, rec = run("quest", {"token_budget": 64, "page_size": 16, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0})
     per_block = 2 * 2 * 32 * 32 * 4                 # K and V, 2 kv heads, 32 tokens, head_dim 32, fp32
     assert max(tight_bytes) <= 2 * 2 * per_block     # per layer: one pack of chosen pages + the newest block
     assert min(full_bytes) >= 2 * 9 * per_block      # full streams all 9 earlier blocks of both layers

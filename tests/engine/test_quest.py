@@ -14,7 +14,7 @@ from engine.step import StepContext
 
 def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2, **kw):
     p = QuestPolicy(token_budget=budget, page_size=page, dense_layers=dense_layers, sink=sink, recent=recent,
-                    min_context=0, **kw)
+                    min_context=0, min_layer_mb=0, **kw)
     p.initialize(KVLayout(layers, hkv, d, bs, torch.device("cpu"), torch.float32, blocks))
     return p
 
@@ -215,6 +215,11 @@ def test_dense_where_choosing_does_not_pay():
     assert p.sparse(1, 65)
     q = QuestPolicy(token_budget=64, page_size=16, min_context=4096)
     assert not q.sparse(5, 4000) and "min_context 4096" in q.dense_reason
+    small = QuestPolicy(token_budget=64, page_size=16, dense_layers=0, min_context=0, min_layer_mb=1)
+    small.initialize(KVLayout(2, 2, 8, 32, torch.device("cpu"), torch.float32, 6))   # 2 x 2 x 8 x 4 = 128 B a token
+    assert not small.sparse(1, 8191)                                # 1 MiB of a layer's KV is 8192 tokens
+    assert "min_layer_mb 1" in small.dense_reason and "8,192 tokens" in small.dense_reason
+    assert small.sparse(1, 8192) and small.warm_up_tokens() == 8192
 
 
 def test_bad_parameters_name_the_parameter():

@@ -10,7 +10,7 @@ from engine.errors import ConfigError
 from engine.trace import TraceRecorder
 
 
-QUEST = {"token_budget": 256, "page_size": 16, "dense_layers": 2, "min_context": 0}
+QUEST = {"token_budget": 256, "page_size": 16, "dense_layers": 2, "min_context": 0, "min_layer_mb": 0}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_quest_loads_only_its_budget_and_records_its_picks(quest_llm):
 def test_quest_answers_a_question_about_a_document(default_model_dir):
     """A quarter of the context per layer (and all of it in the first two layers) still finds the fact."""
     with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=4096,
-             policy="quest", policy_params={"token_budget": 512, "page_size": 16, "min_context": 0}) as llm:
+             policy="quest", policy_params={"token_budget": 512, "page_size": 16, "min_context": 0, "min_layer_mb": 0}) as llm:
         doc = (open(__file__.replace("tests/engine/test_quest_engine.py",
                                      "resources/samples/kv_cache_offload_primer.md")).read()[:9000])
         msgs = [{"role": "user", "content": doc + "\n\nQuestion: In which city is the Halvorsen lab based?"}]
@@ -63,7 +63,7 @@ def test_quest_with_room_for_everything_equals_full(default_model_dir, quest_llm
     prompt = list(range(3000, 3000 + 200))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048,
-             policy="quest", policy_params={"token_budget": 1024, "min_context": 0}) as roomy, \
+             policy="quest", policy_params={"token_budget": 1024, "min_context": 0, "min_layer_mb": 0}) as roomy, \
          LLM(str(default_model_dir), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=2048) as full:
         got = roomy.generate([prompt], params)[0]
         assert got.token_ids == full.generate([prompt], params)[0].token_ids
@@ -104,7 +104,7 @@ def test_layerwise_and_chunked_attend_to_the_same_tokens(tmp_path, bs):
     for mode, look_ahead in (("layerwise", False), ("chunked", False), ("layerwise", True)):
         rec = TraceRecorder()
         with LLM(str(tmp_path), device="cpu", kv_block_size=bs, mode=mode, max_model_len=400, policy="quest",
-                 recorder=rec, policy_params={"token_budget": 96, "dense_layers": 0, "min_context": 0,
+                 recorder=rec, policy_params={"token_budget": 96, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0,
                                               "look_ahead": look_ahead}) as llm:
             outs.append(llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0])
         ahead.append(sum(s.metrics.get("quest_fetched_ahead", 0) for s in rec.steps))
@@ -121,7 +121,7 @@ def test_recall_measured_in_the_engine(tmp_path):
     def stats(budget, rec=None):
         with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400,
                  policy="quest", policy_params={"token_budget": budget, "dense_layers": 0, "recall": True,
-                                                "min_context": 0}) as llm:
+                                                "min_context": 0, "min_layer_mb": 0}) as llm:
             if rec is not None:
                 llm.recorder = rec
             return llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].stats.policy_stats
@@ -145,7 +145,7 @@ def test_recall_measured_in_the_engine(tmp_path):
 def test_a_switch_to_quest_makes_its_dense_layers_resident(default_model_dir):
     """An engine built for Full keeps other layers resident; switched to Quest, its dense layers (read whole every
     step) take the resident buffers, and it answers as an engine built for Quest."""
-    quest = {"token_budget": 256, "min_context": 0}
+    quest = {"token_budget": 256, "min_context": 0, "min_layer_mb": 0}
     prompt = list(range(3000, 3000 + 900))
     kw = dict(device="cpu", kv_block_size=64, mode="layerwise", max_model_len=1024, gpu_kv_budget_gb=0.012)
     with LLM(str(default_model_dir), policy="full", **kw) as llm:

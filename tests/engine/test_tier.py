@@ -96,7 +96,7 @@ def test_pages_of_another_prefill_policy_are_never_read(default_model_dir, tmp_p
 def test_quest_on_kv_from_disk_picks_as_on_kv_it_computed(default_model_dir, tmp_path):
     """Quest's key bounds of blocks read from disk are made from their keys: its sparse decode (256-token budget
     over ~700 tokens) answers as with the same blocks from the in-memory prefix cache."""
-    quest = {"policy": "quest", "policy_params": {"token_budget": 256, "page_size": 16, "dense_layers": 2, "min_context": 0}}
+    quest = {"policy": "quest", "policy_params": {"token_budget": 256, "page_size": 16, "dense_layers": 2, "min_context": 0, "min_layer_mb": 0}}
     llm = _llm(default_model_dir, tmp_path, mode="layerwise", **quest)
     _run(llm)
     memory_hit, _ = _run(llm)

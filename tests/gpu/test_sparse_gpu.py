@@ -112,14 +112,14 @@ def test_sparse_prefill_gpu_and_layerwise_agree(policy, params):
 def test_quest_recall_on_gpu():
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(shape=shape_config("qwen3-4b"), dtype="bfloat16", max_model_len=4096, mode="layerwise",
-              kv_block_size=256, policy="quest", policy_params={"token_budget": 512, "page_size": 32, "recall": True, "min_context": 0})
+              kv_block_size=256, policy="quest", policy_params={"token_budget": 512, "page_size": 32, "recall": True, "min_context": 0, "min_layer_mb": 0})
     st = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].stats.policy_stats
     llm.close()
     print("quest recall", round(st["recall"], 3), "speculation alone", round(st["recall_speculative"], 3))
     assert 0 < st["recall_min_head"] <= st["recall"] <= 1 and len(st["recall_per_layer"]) == 34
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0})])
+@pytest.mark.parametrize("policy,params", [("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0})])
 def test_layerwise_decode_graphs_answer_like_eager(policy, params):
     """Each decode layer replayed as a CUDA graph gives the tokens the eager layers give (fp32)."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -141,8 +141,8 @@ def test_quest_in_chunked_mode_on_gpu():
     moves less."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     got = {}
-    for name, params in [("full", {}), ("quest", {"token_budget": 8192, "page_size": 32, "dense_layers": 0, "min_context": 0}),
-                         ("tight", {"token_budget": 512, "page_size": 32, "min_context": 0})]:
+    for name, params in [("full", {}), ("quest", {"token_budget": 8192, "page_size": 32, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0}),
+                         ("tight", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0})]:
         llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="chunked",
                   kv_block_size=256, policy="full" if name == "full" else "quest", policy_params=params)
         out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
@@ -158,7 +158,7 @@ def test_a_policy_switch_keeps_the_decode_graphs_valid():
     """Graphs that record a policy's tensors (Quest's correction gather) are not replayed for the next policy:
     after full -> quest(512) -> quest(1024) on one engine, the last answers as a fresh quest(1024) engine."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(1)).tolist()
-    quest = {"page_size": 32, "min_context": 0}
+    quest = {"page_size": 32, "min_context": 0, "min_layer_mb": 0}
 
     def engine(policy, params):
         return LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
@@ -176,7 +176,7 @@ def test_a_policy_switch_keeps_the_decode_graphs_valid():
 
 
 @pytest.mark.parametrize("mode,policy,params", [
-    ("layerwise", "quest", {"token_budget": 512, "page_size": 16, "min_context": 2048}),
+    ("layerwise", "quest", {"token_budget": 512, "page_size": 16, "min_context": 2048, "min_layer_mb": 0}),
     ("gpu", "minference", {"min_len": 2048, "vertical": 256, "slash": 512, "gpu_dense_above": 1.0})])
 def test_warm_up_after_a_policy_switch_runs_the_new_policy_sparse(mode, policy, params):
     """A policy switched on a loaded engine (the app's policy panel) is warmed up on prompts long enough for it to

@@ -23,7 +23,7 @@ def _run(model_dir, prompt, **kw):
 @pytest.fixture(scope="module")
 def quest_steps(default_model_dir):
     return _run(default_model_dir, list(range(2000, 2900)), kv_block_size=64, mode="layerwise", max_model_len=2048,
-                policy="quest", policy_params={"token_budget": 256, "page_size": 16, "min_context": 0, "dense_layers": DENSE_LAYERS})[1]
+                policy="quest", policy_params={"token_budget": 256, "page_size": 16, "min_context": 0, "min_layer_mb": 0, "dense_layers": DENSE_LAYERS})[1]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_png_export(qtbot, quest_steps, tmp_path):
 
 def test_recall_of_the_picks_shows_when_measured(qtbot, default_model_dir, quest_steps):
     steps = _run(default_model_dir, list(range(2000, 2900)), kv_block_size=64, mode="layerwise", max_model_len=2048,
-                 policy="quest", policy_params={"token_budget": 256, "page_size": 16, "min_context": 0, "dense_layers": DENSE_LAYERS,
+                 policy="quest", policy_params={"token_budget": 256, "page_size": 16, "min_context": 0, "min_layer_mb": 0, "dense_layers": DENSE_LAYERS,
                                                 "recall": True})[1]
     view = _shown(qtbot, QuestView())
     view.set_steps(steps)
