@@ -207,6 +207,30 @@ def test_stop_mid_prefill_within_a_layer_and_nothing_poisoned(engines, prompts, 
     assert again.token_ids == clean.token_ids
 
 
+def test_chunked_prefill_in_groups_of_earlier_blocks_answers_the_same(tmp_path):
+    """Chunked prefill streams a chunk's earlier blocks in groups (one load, attention and merge per group: CUDA's
+    default) or one at a time (the CPU's): the same math, so the same greedy answer, in fewer pieces (and no more
+    bytes)."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()   # 10 chunks of 32
+    got = {}
+    for group in (1, 4):
+        llm = LLM(str(tmp_path), device="cpu", kv_block_size=32, mode="chunked", max_model_len=400, kv_store=None)
+        assert llm.runner.prefill_group == 1                        # the CPU's default
+        llm.runner.prefill_group = group
+        rec = TraceRecorder()
+        llm.recorder = rec
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        prefill = [s for s in rec.steps if s.phase == "prefill"]
+        loads = sum(1 for s in prefill for sp in s.spans if sp.lane == H2D)
+        got[group] = (out.token_ids, sum(s.metrics["bytes_h2d"] for s in prefill), loads)
+        llm.close()
+    assert got[4][0] == got[1][0]
+    assert got[4][1] <= got[1][1]          # (a slot that still holds a group of the same layer is not loaded again)
+    assert got[4][2] < got[1][2] / 2
+
+
 def test_quest_in_chunked_mode_streams_its_pages_and_answers_like_full_with_room(tmp_path):
     """Chunked decode with Quest: the budget bounds the bytes streamed per step; a budget holding everything
     answers exactly like Full."""

@@ -46,6 +46,7 @@ def test_offload_tokens_equal_gpu_mode_on_cuda(mode, kw, prompts, reference):
         assert got == reference
         if mode == "chunked":     # its decode ran as graph replays over the ring (the earlier blocks fit a slot)
             assert llm.runner.decode_graphs.graphs
+            assert llm.runner.prefill_group > 1   # and its prefill streamed earlier blocks in groups
         if kw.get("gpu_kv_budget_gb"):
             assert 0 < len(llm.plan.resident) < 36
 
