@@ -81,7 +81,7 @@ class ChunkedRunner(OffloadRunner):
         oe, bs, rec, model, policy = self.oe, self.block_size, ctx.recorder, self.model, self.policy
         cb, off = a // bs, a % bs
         earlier = seq.block_table[:cb]
-        observe = policy.plans_loads and not is_prefill
+        observe = [not is_prefill and policy.observes(l, b) for l in range(len(model.layers))]
         loads, at, tails = [], [], []                   # at[l]: index of layer l's first load
         for l in range(len(model.layers)):
             at.append(len(loads))
@@ -94,8 +94,9 @@ class ChunkedRunner(OffloadRunner):
         for i in range(min(N, len(loads))):
             self._issue((first + i) % N, loads[i])
         h, residual, pos, cos_sin = self._inputs(seq, a, b)
-        if (self.decode_graphs is not None and not is_prefill and not observe   # decode, whole blocks, and each
-                and 0 < len(earlier) < self.oe.slot_blocks):                    # layer's in one slot, room after
+        if (self.decode_graphs is not None and not is_prefill and not any(observe)   # decode, whole blocks (no
+                and all(t is None for t in tails)                                 # plan), each layer's in one
+                and 0 < len(earlier) < self.oe.slot_blocks):                      # slot with room after
             return self._graph_step(seq, cb, off, b, loads, first, h, residual, cos_sin, ctx)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
@@ -108,7 +109,7 @@ class ChunkedRunner(OffloadRunner):
                         own[0, :, off + r0:off + r1] = k.transpose(0, 1)
                         own[1, :, off + r0:off + r1] = v.transpose(0, 1)
                     q = layer.qkv_rows(h, residual, cos_sin, store)
-                    fix = policy.observe_query(l, q[-1], ctx) if observe else None   # before the attention
+                    fix = policy.observe_query(l, q[-1], ctx) if observe[l] else None   # before the attention
                     lo, hi = b - cb * bs - (tails[l] or b - cb * bs), b - cb * bs   # the planned tail, or all
                     o, lse = attention_lse(q, own[0, :, lo:hi], own[1, :, lo:hi], self.scale, causal=True)
                     for i in range(at[l], at[l + 1]):

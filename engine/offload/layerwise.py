@@ -101,10 +101,11 @@ class LayerwiseRunner(OffloadRunner):
                     rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens, event=began if marks else None)
                 new, context = self._place_newest(l, buf, packed, n_host, start, end)  # new token's (block, offset)
                 q_last = None
-                if observe and policy.wants_layer_keys:
+                looks = observe and (is_prefill or policy.observes(l, end))   # decode: it sees q before attention
+                if looks and policy.wants_layer_keys:
                     ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
                 if graphs is not None:               # decode: q out, h and residual in place
-                    between = None if not observe else (
+                    between = None if not looks else (
                         lambda q: self._observe(l, buf, q[0], ctx, lambda: graphs.q_next[0], defer=True))
                     graphs.run(l, buf, int(packed is not None), (*new, context), between, policy.looks_ahead)
                 else:
@@ -115,7 +116,7 @@ class LayerwiseRunner(OffloadRunner):
                             k, v, K, V, where[:, a:b]), self.chunk_tokens)
                         if observe and is_prefill:   # observed once its blocks' keys are written (below)
                             q_last = q[-1].clone()   # (the prefill attention may consume q)
-                        elif observe:                # decode: before the attention, which uses its choice
+                        elif looks:                  # decode: before the attention, which uses its choice
                             self._observe(l, buf, q[-1], ctx, lambda: model.layers[l + 1].query(
                                 residual[-1:], cos_sin)[0])
                         if is_prefill:

@@ -132,6 +132,12 @@ class SparsePolicy:
     def plan_load(self, layer: int, context_len: int, ctx: StepContext) -> LoadPlan | None:
         return None
 
+    def observes(self, layer: int, context_len: int) -> bool:
+        """At a decode step whose sequence has context_len tokens, does observe_query want `layer`'s query? False
+        for every layer (and no plan): the runner runs the step as Full would, one CUDA graph per layer (a
+        layer it observes is split in two around the policy's choice) and, in chunked mode, the graphed step."""
+        return False
+
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
         return None
 

@@ -159,6 +159,9 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             return False
         return True
 
+    def observes(self, layer: int, context_len: int) -> bool:
+        return self.sparse(layer, context_len + 1)          # (observe_query chooses for this step and the next)
+
     # ---------------------------------------------------------------- metadata
     def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
         """keys [Hkv, block_size, D] of a block whose tokens start..end-1 were just written -> min/max of the pages

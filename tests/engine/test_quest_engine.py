@@ -158,3 +158,36 @@ def test_a_switch_to_quest_makes_its_dense_layers_resident(default_model_dir):
         fresh = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert switched.token_ids == fresh.token_ids
     assert switched.stats.bytes_h2d == fresh.stats.bytes_h2d         # no dense layer streamed whole each step
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "chunked"])
+def test_a_dense_quest_decodes_as_full_and_turns_sparse_on_time(tmp_path, mode):
+    """Below its gates Quest is not shown a decode query (the runner runs the layer as Full would: on CUDA one
+    graph, and chunked mode's graphed step) and answers as Full; once the context passes min_context mid-answer it
+    chooses, and both runners then attend to the same tokens."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    quest = {"token_budget": 96, "dense_layers": 0, "min_layer_mb": 0}
+    outs = {}
+    for name, policy, extra in (("full", "full", None), ("dense", "quest", {"min_context": 4096}),
+                                ("turns", "quest", {"min_context": 306})):
+        with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode=mode, max_model_len=400, policy=policy,
+                 policy_params=None if extra is None else quest | extra) as llm:
+            seen = []
+            if extra is not None:
+                observe = llm.runner.policy.observe_query
+                llm.runner.policy.observe_query = lambda l, q, ctx: seen.append(ctx.context_len) or observe(l, q, ctx)
+            outs[name] = llm.generate([prompt], params)[0]
+            outs[name].seen = seen
+    assert outs["dense"].token_ids == outs["full"].token_ids
+    assert not outs["dense"].stats.policy_stats["sparse"] and "min_context" in outs["dense"].stats.policy_stats["reason"]
+    assert all(n == 300 for n in outs["dense"].seen)                 # the prompt's last query only (prefill)
+    decode_seen = sorted(set(n for n in outs["turns"].seen if n > 300))
+    assert decode_seen and decode_seen[0] == 305                     # chooses at 305 for the step of 306 on
+    assert outs["turns"].stats.policy_stats["sparse"]
+    if mode == "chunked":
+        with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400, policy="quest",
+                 policy_params=quest | {"min_context": 306}) as llm:
+            assert llm.generate([prompt], params)[0].token_ids == outs["turns"].token_ids

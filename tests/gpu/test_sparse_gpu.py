@@ -193,3 +193,24 @@ def test_warm_up_after_a_policy_switch_runs_the_new_policy_sparse(mode, policy, 
             assert pol.stats()["sparse"] is True and pol.stats()["sparse_layers"] == 30
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "chunked"])
+def test_a_dense_quest_decodes_with_full_graphs(mode):
+    """Quest below its gates (min_context) runs each decode layer as Full does: one graph per layer in
+    layerwise mode (none split around a choice), chunked mode's graphed step; the same tokens as Full (fp32)."""
+    prompt = torch.randint(0, 150000, (1500,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs, keys = [], []
+    for policy, params in (("full", {}), ("quest", {"token_budget": 512, "min_context": 8192})):
+        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=2048, mode=mode,
+                  kv_block_size=256, policy=policy, policy_params=params)
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        outs.append(out.token_ids)
+        keys.append({k[3] for k in llm.runner.decode_graphs.graphs})
+        if policy == "quest":
+            assert not out.stats.policy_stats["sparse"] and "min_context" in out.stats.policy_stats["reason"]
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+    assert keys[1] == keys[0] and keys[1] and "pre" not in keys[1]
