@@ -9,8 +9,10 @@ finds the first answer token where they differ, answers again with Quest keeping
 that step, and prints one line per sparse layer: the needle's share of the attention (the largest over heads), for
 each page score the mass kept (mean / lowest query head) and per kv head whether the needle's pages were in (x).
 Scores: A the policy's (softmax of the page bounds per query head, summed over the group), B the largest softmax
-share over the group's heads, D the largest raw bound, O the oracle (true attention mass per page, summed); S an
-oracle that splits the same pages in all across layers and kv heads by need (mass kept, mean over the group).
+share over the group's heads, D the largest raw bound, R the `rank` score at rank head_dim / 4 (each page's
+best token in the leading directions of the layer's keys before the window), O the oracle (true attention
+mass per page, summed); S an oracle that splits the same pages in all across layers and kv heads by need (mass
+kept, mean over the group).
 """
 from __future__ import annotations
 
@@ -50,7 +52,10 @@ def scores(q: torch.Tensor, k: torch.Tensor, w: int, sink: int, ps: int):
     b = torch.maximum(qg[:, :, None] * mn, qg[:, :, None] * mx).sum(-1)[:, :, cand]        # bounds [Hkv, G, c]
     share = torch.softmax(b * scale, -1)
     mass = p[:, :, :n * ps].reshape(hkv, -1, n, ps).sum(-1)[:, :, cand]
-    return p, cand, {"A": share.sum(1), "B": share.amax(1), "D": b.amax(1), "O": mass.sum(1)}
+    basis = torch.linalg.eigh(kp.flatten(1, 2).transpose(1, 2) @ kp.flatten(1, 2)).eigenvectors[..., -d // 4:]
+    low = torch.einsum("hgr,hntr->hgnt", qg @ basis, kp @ basis[:, None]).amax(-1)[:, :, cand]   # rank d/4
+    return p, cand, {"A": share.sum(1), "B": share.amax(1), "D": b.amax(1),
+                     "R": torch.softmax(low * scale, -1).sum(1), "O": mass.sum(1)}
 
 
 def split_oracle(policy, scored: dict) -> dict[int, float]:

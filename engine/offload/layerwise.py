@@ -101,7 +101,8 @@ class LayerwiseRunner(OffloadRunner):
                     rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens, event=began if marks else None)
                 new, context = self._place_newest(l, buf, packed, n_host, start, end)  # new token's (block, offset)
                 q_last = None
-                looks = observe and (is_prefill or policy.observes(l, end))   # decode: it sees q before attention
+                looks = observe and (is_prefill or policy.observes(l, end)   # decode: it sees q before attention
+                                     or policy.looks_ahead and policy.observes(l + 1, end))   # (or guesses l + 1's)
                 if looks and policy.wants_layer_keys:
                     ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
                 if graphs is not None:               # decode: q out, h and residual in place

@@ -63,3 +63,21 @@ def page_bounds(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: t
         kb, q, pages, valid.view(torch.uint8), out, n, kb.stride(0), kb.stride(1), q.stride(0), out.stride(0),
         out.stride(1), G=g, D=d, DP=triton.next_power_of_2(d), P=PAGES, num_warps=4)
     return out
+
+
+def page_scores(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor, parts: int = 1,
+                centroid: bool = False, kernel: bool = True) -> torch.Tensor:
+    """A page's score per query head [Hkv, G, n] (-inf where not valid), for Quest's choice. kb [pool_pages *
+    parts, Hkv, 2D or 3D] holds each page's `parts` rows in a run (pool page p's at p * parts ..): the page's
+    score is the largest of its parts' bounds; with `centroid` (kb's third D: the part's mean key) each part's
+    bound is first averaged with q·(its mean key) (a torch gather beside the kernel)."""
+    n, d = pages.shape[0], q.shape[-1]
+    if parts > 1:
+        pages = (pages[:, None] * parts + torch.arange(parts, device=pages.device)).flatten()
+        valid = valid[:, None].expand(n, parts).flatten()
+    b = page_bounds(kb[..., :2 * d], q, pages, valid, kernel)
+    if centroid:
+        mean = kb.index_select(0, pages)[..., 2 * d:]                                   # [n * parts, Hkv, D]
+        qg = q.reshape(mean.shape[1], -1, d).to(mean.dtype)
+        b.add_(torch.bmm(qg, mean.permute(1, 2, 0)).float()).mul_(0.5)                 # -inf stays -inf
+    return b if parts == 1 else b.view(*b.shape[:2], n, parts).amax(-1)

@@ -1,8 +1,11 @@
 """Quest (Tang et al., 2024): at decode, attend only to the KV pages whose keys can matter to the current query.
 
 Per page (page_size tokens) and layer the policy keeps, on the device, the element-wise min and max of the
-page's keys for each kv head (post-RoPE keys, as attended). For a query q the upper bound of q·k over a page
-is sum_d max(q_d * min_d, q_d * max_d) (each term is the larger of the two ends of its interval). A kv head scores
+page's keys for each kv head (post-RoPE keys, as attended; with `bound_tokens` of each part of the page of that
+many tokens, a page's bound the largest of its parts'; with `rank`, instead, every key in a few leading
+directions and a page scored by its best token there: engine/sparse/page_index.py). For a query q the upper bound
+of q·k over a page is sum_d max(q_d * min_d, q_d * max_d) (each term is the larger of the two ends of its
+interval). A kv head scores
 a page by the attention share its query heads would give it if each key reached its bound (a softmax of the
 bounds over the candidates per query head, summed over the group's heads), so every head of the group is served.
 
@@ -42,8 +45,8 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ConfigError
-from engine.ops.quest_score import page_bounds
 from engine.ops.quest_select import choose, correct
+from engine.sparse.page_index import KeySketch, PageBounds
 from engine.sparse.policy import KVLayout, LoadPlan, RowFix, SparsePolicy
 from engine.sparse.quest_figures import QuestFigures
 from engine.sparse.specs import SPECS
@@ -60,6 +63,15 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self.min_context, self.measure_recall = p["min_context"], p["recall"]
         self.min_layer_bytes, self._token_bytes = p["min_layer_mb"] * 2 ** 20, 0   # (bytes per token: initialize)
         self.looks_ahead, self.centroid = p["look_ahead"], p["centroid"]
+        self.bound_tokens = p["bound_tokens"] or self.page_size
+        if self.page_size % self.bound_tokens:
+            raise ConfigError(f"quest bound_tokens {self.bound_tokens} must divide page_size {self.page_size} "
+                              "(0: the page size)")
+        self.parts = self.page_size // self.bound_tokens               # key bounds per page
+        self.rank = p["rank"]
+        if self.rank and (self.centroid or p["bound_tokens"]):
+            raise ConfigError("quest rank scores pages by low-rank keys, not by bounds: leave bound_tokens and "
+                              "centroid unset with it")
         self.wants_layer_keys = self.measure_recall        # read the layer's whole K each sparse step (slow)
         ps = self.page_size
         self.sink = -(-p["sink"] // ps) * ps
@@ -88,13 +100,9 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         ps, dev, hkv, d, L = self.page_size, layout.device, layout.num_kv_heads, layout.head_dim, layout.num_layers
         self._token_bytes = 2 * hkv * d * layout.dtype.itemsize             # one token of one layer: K and V
         self.pages_per_block = ppb = layout.block_size // ps
-        # per layer, pool page and kv head: the keys' element-wise [min | max] (no bounds yet: +inf | -inf), and
-        # with `centroid` their mean after them
-        self.kb = torch.zeros(L, layout.num_blocks * ppb, hkv, (3 if self.centroid else 2) * d, dtype=layout.dtype,
-                              device=dev)
-        self.kmin, self.kmax = self.kb[..., :d], self.kb[..., d:2 * d]
-        self.kmin.fill_(float("inf"))
-        self.kmax.fill_(float("-inf"))
+        shape = (L, layout.num_blocks, layout.block_size, hkv, d)          # what each key's page scores come from
+        self.index = (KeySketch(self.rank, *shape, ps, layout.dtype, dev) if self.rank else
+                      PageBounds(*shape, ps, self.parts, self.centroid, layout.dtype, dev, dev.type == "cuda"))
         n = (layout.max_blocks_per_seq or layout.num_blocks) * ppb       # pages a sequence can have
         lng = dict(dtype=torch.long, device=dev)
         self._page_ids = torch.zeros(n, **lng)                  # the sequence's page -> pool page
@@ -166,16 +174,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
     def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
         """keys [Hkv, block_size, D] of a block whose tokens start..end-1 were just written -> min/max of the pages
         those tokens complete (at decode: one page every page_size tokens)."""
-        ps = self.page_size
-        first, last = start // ps, end // ps                     # pages first..last-1 are complete and new
-        if last <= first:
-            return
-        hkv, _, d = keys.shape
-        pages = keys[:, first * ps:last * ps].reshape(hkv, last - first, ps, d)
-        at = block_id * self.pages_per_block + first
-        parts = [pages.amin(dim=2), pages.amax(dim=2)] + ([pages.float().mean(dim=2).to(pages.dtype)]
-                                                           if self.centroid else [])
-        self.kb[layer, at:at + last - first] = torch.cat(parts, -1).transpose(0, 1)
+        self.index.write(layer, block_id, keys, start, end)
 
     # ---------------------------------------------------------------- the runner's hooks
     def reset(self) -> None:
@@ -377,21 +376,15 @@ class QuestPolicy(QuestFigures, SparsePolicy):
 
     # ---------------------------------------------------------------- selection
     def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q [Hq, D] -> upper bounds [Hkv, G, n] of q·k over the pool pages `pages` [n] per query head, -inf where
-        not `valid` (engine/ops/quest_score.py: one kernel on CUDA). With `centroid`, the mean of the bound and
-        q·(the page's mean key) (a torch gather: the kernel does not read the mean)."""
-        d = self.layout.head_dim
-        b = page_bounds(self.kb[layer][..., :2 * d], q, pages, valid, self._kernels)   # scored by quest_select.choose
-        if not self.centroid:
-            return b
-        mean = self.kb[layer].index_select(0, pages)[..., 2 * d:]                      # [n, Hkv, D]
-        qg = q.reshape(mean.shape[1], -1, d).to(mean.dtype)
-        return b.add_(torch.bmm(qg, mean.permute(1, 2, 0)).float()).mul_(0.5)         # -inf stays -inf
+        """q [Hq, D] -> each of the pool pages' `pages` [n] score per query head [Hkv, G, n], -inf where not
+        `valid` (engine/sparse/page_index.py)."""
+        return self.index.scores(layer, q, pages, valid)
 
     # ---------------------------------------------------------------- figures
     def stats(self) -> dict:
-        out = {"token_budget": self.token_budget, "page_size": self.page_size, "sink": self.sink,
-               "window": self.window, "pages_per_head": self.k, "dense_layers": self.dense_layers,
+        out = {"token_budget": self.token_budget, "page_size": self.page_size, "rank": self.rank,
+               "bound_tokens": 0 if self.rank else self.bound_tokens,
+               "sink": self.sink, "window": self.window, "pages_per_head": self.k, "dense_layers": self.dense_layers,
                "selections": self.selections, "sparse": self.plans > 0,
                "fetched_pages_per_step": self.fetched / self.fixes if self.fixes else 0.0,
                "fetched_ahead_pages_per_step": self.fetched_ahead / self.fixes if self.fixes else 0.0,

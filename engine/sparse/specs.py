@@ -157,6 +157,17 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
                "layer's own query then corrects what is left). Off by default: the second choice per layer costs "
                "more than the exposed correction it saves (H100, Qwen3-4B shape, 128K: 22.8 against 18.7 ms/token)",
                label="Fetch one layer ahead"),
+         Param("bound_tokens", int, 0, 0, 128, "tokens per key bound (0: the page size; else a divisor of it): a "
+               "page keeps the key min/max of each of its parts of this many tokens and scores by the largest of "
+               "their bounds. Smaller parts bound the page's best key more tightly (the bound of 16 tokens is "
+               "loose where each dimension's extreme comes from another token) and cost page_size / bound_tokens "
+               "times the metadata.", "Tokens per bound", choices=(0, 1, 2, 4, 8, 16, 32, 64, 128)),
+         Param("rank", int, 0, 0, 256, "0: pages are scored by their key bounds (Quest). r > 0: each key is kept on "
+               "the device in the r leading directions of its layer's keys (per kv head) and a page scores by the "
+               "largest of its tokens' logits estimated there (Loki's low-rank keys): on post-RoPE keys the bounds "
+               "overshoot a page's best logit several times over and rank pages by spread, not by the query. r "
+               "values per token cost what the bounds cost at 16-token pages when r = head_dim / 8.",
+               "Low-rank key score (0: bounds)", step=4),
          Param("centroid", bool, False, help="score a page by the mean of its key bound and its mean key's score "
                "(q·mean), not by the bound alone: the bound overrates pages with one outlying key, the mean "
                "underrates pages with one strong one. On the default model at a 7K-token needle it kept the "

@@ -39,10 +39,10 @@ def test_page_bounds_follow_the_tokens_as_they_are_written():
     p = _policy()
     keys = torch.randn(2, 32, 8)
     p.on_kv_written(0, 3, keys, 0, 15)                              # 15 tokens: no page complete yet
-    assert torch.isinf(p.kmin[0, 6]).all()
+    assert torch.isinf(p.index.kmin[0, 6]).all()
     p.on_kv_written(0, 3, keys, 15, 16)                             # the 16th completes page 0 of block 3
-    torch.testing.assert_close(p.kmin[0, 6], keys[:, :16].amin(1))
-    assert torch.isinf(p.kmin[0, 7]).all()
+    torch.testing.assert_close(p.index.kmin[0, 6], keys[:, :16].amin(1))
+    assert torch.isinf(p.index.kmin[0, 7]).all()
 
 
 def test_the_centroid_score_is_the_mean_of_the_bound_and_the_mean_keys_score():
@@ -254,3 +254,77 @@ def test_load_plans_per_policy():
     for name in ("full", "minference", "xattention"):
         other = make_policy(name, {}, "layerwise")
         assert not other.plans_loads and other.plan_load(1, 150, ctx) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), parts=st.sampled_from([2, 4, 16]), centroid=st.booleans())
+def test_a_page_in_parts_is_bounded_by_its_tightest_part_bound(seed, parts, centroid):
+    """bound_tokens < page_size: a page scores by the largest of its parts' bounds, each the bound (or, with
+    centroid, the score) of bound_tokens tokens alone; that stays above the page's best key and below the bound
+    of the whole page."""
+    torch.manual_seed(seed)
+    whole, split = _policy(centroid=centroid), _policy(bound_tokens=16 // parts, centroid=centroid)
+    keys = torch.randn(6, 2, 32, 8)
+    for p in (whole, split):
+        for b in range(6):
+            p.on_kv_written(1, b, keys[b], 0, 32)
+    q, valid = torch.randn(4, 8), torch.arange(12) % 5 > 0
+    got = split.bounds(1, q, torch.arange(12), valid)                         # [Hkv, G, 12]
+    k = keys.reshape(6, 2, 2, parts, 16 // parts, 8).permute(1, 0, 2, 3, 4, 5).reshape(2, 12, parts, 16 // parts, 8)
+    qg = q.reshape(2, 2, 1, 1, 8)
+    want = torch.maximum(qg * k.amin(3)[:, None], qg * k.amax(3)[:, None]).sum(-1)   # [Hkv, G, page, part]
+    if centroid:
+        want = (want + (qg * k.mean(3)[:, None]).sum(-1)) / 2
+    torch.testing.assert_close(got[:, :, valid], want.amax(-1)[:, :, valid])
+    assert torch.isneginf(got[:, :, ~valid]).all()
+    if not centroid:
+        true = torch.einsum("hgd,hptd->hgpt", q.reshape(2, 2, 8), k.flatten(2, 3)).amax(-1)
+        assert (got[:, :, valid] >= true[:, :, valid] - 1e-4).all()
+        assert (got[:, :, valid] <= whole.bounds(1, q, torch.arange(12), valid)[:, :, valid] + 1e-4).all()
+
+
+def test_bound_tokens_must_divide_the_page():
+    with pytest.raises(ConfigError, match="bound_tokens 32 must divide page_size 16"):
+        _policy(bound_tokens=32)
+    with pytest.raises(ConfigError, match="bound_tokens"):
+        _policy(bound_tokens=3)                                     # not one of the choices
+
+
+def test_the_rank_score_is_each_pages_best_token_and_exact_at_full_rank():
+    """rank = head_dim: a page's score is its best key's logit exactly; a smaller rank estimates it in the
+    leading directions of the layer's keys, and still finds a page whose one key points along the query where
+    the bounds prefer pages of spread-out keys."""
+    torch.manual_seed(3)
+    exact, bounds = _policy(rank=8), _policy()
+    keys = torch.randn(6, 2, 32, 8)                                  # [block, Hkv, bs, D]
+    for b in range(6):
+        exact.on_kv_written(1, b, keys[b], 0, 32)
+        bounds.on_kv_written(1, b, keys[b], 0, 32)
+    q, valid = torch.randn(4, 8), torch.arange(12) % 4 > 0
+    true = torch.einsum("hgd,hptd->hgpt", q.reshape(2, 2, 8),
+                        keys.reshape(6, 2, 2, 16, 8).permute(1, 0, 2, 3, 4).reshape(2, 12, 16, 8)).amax(-1)
+    got = exact.bounds(1, q, torch.arange(12), valid)
+    torch.testing.assert_close(got[:, :, valid], true[:, :, valid], rtol=1e-4, atol=1e-4)
+    assert torch.isneginf(got[:, :, ~valid]).all()
+
+    # keys along a rotating pair (as RoPE turns them) of radius 3 in every page but page 4, which holds small
+    # keys and one at (2.5, 2.5): its best logit is the highest (5 against 3 sqrt 2), its bound the lowest
+    low, bnd = _policy(budget=48, rank=2), _policy(budget=48)      # sink 16 + 1 page + window 16
+    keys = torch.randn(6, 2, 32, 8) * 0.05
+    phi = torch.rand(6, 2, 32) * 6.2832
+    keys[..., 0], keys[..., 1] = 3 * phi.cos(), 3 * phi.sin()
+    keys[2, :, :16, :2] = 0.05
+    keys[2, :, 5, :2] = 2.5
+    for p in (low, bnd):
+        for b in range(6):
+            p.on_kv_written(0, b, keys[b], 0, 32)
+    q = torch.zeros(4, 8)
+    q[:, :2] = 1.0
+    for p, want in ((low, True), (bnd, False)):
+        p.observe_query(0, q, StepContext(block_table=torch.arange(6), context_len=192))
+        assert (p._pages[0] == 4).any(dim=1).all().item() is want
+
+
+def test_rank_replaces_the_bounds():
+    with pytest.raises(ConfigError, match="rank scores pages by low-rank keys"):
+        _policy(rank=4, centroid=True)

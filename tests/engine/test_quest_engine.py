@@ -191,3 +191,31 @@ def test_a_dense_quest_decodes_as_full_and_turns_sparse_on_time(tmp_path, mode):
         with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400, policy="quest",
                  policy_params=quest | {"min_context": 306}) as llm:
             assert llm.generate([prompt], params)[0].token_ids == outs["turns"].token_ids
+
+
+def test_the_rank_score_runs_alike_in_both_runners_and_over_cached_blocks(tmp_path):
+    """Quest scoring pages by low-rank keys: layerwise and chunked attend to the same tokens; a second prompt
+    sharing the first one's blocks (its keys projected before, from the prefix cache) answers as in a fresh
+    engine."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    g = torch.Generator().manual_seed(6)
+    first = torch.randint(0, 256, (300,), generator=g).tolist()
+    second = first[:256] + torch.randint(0, 256, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    quest = {"token_budget": 96, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0, "rank": 4}
+    outs = {}
+    for mode in ("layerwise", "chunked"):
+        with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode=mode, max_model_len=400, policy="quest",
+                 policy_params=quest) as llm:
+            outs[mode] = llm.generate([first], params)[0]
+            outs[mode + " cached"] = llm.generate([second], params)[0]
+            assert outs[mode + " cached"].stats.cached_tokens == 256
+        assert outs[mode].stats.policy_stats["sparse"]
+    with LLM(str(tmp_path), device="cpu", kv_block_size=16, mode="layerwise", max_model_len=400, policy="quest",
+             policy_params=quest) as llm:
+        llm.generate([first], params)            # the same basis (made from the first prompt's keys)
+        llm.block_manager.forget_cached()
+        fresh = llm.generate([second], params)[0]
+    assert outs["layerwise"].token_ids == outs["chunked"].token_ids
+    assert outs["layerwise cached"].token_ids == outs["chunked cached"].token_ids == fresh.token_ids

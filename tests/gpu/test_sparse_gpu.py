@@ -119,7 +119,9 @@ def test_quest_recall_on_gpu():
     assert 0 < st["recall_min_head"] <= st["recall"] <= 1 and len(st["recall_per_layer"]) == 34
 
 
-@pytest.mark.parametrize("policy,params", [("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0})])
+@pytest.mark.parametrize("policy,params", [
+    ("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0}),
+    ("quest", {"token_budget": 512, "min_context": 0, "min_layer_mb": 0, "rank": 16})])
 def test_layerwise_decode_graphs_answer_like_eager(policy, params):
     """Each decode layer replayed as a CUDA graph gives the tokens the eager layers give (fp32)."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()

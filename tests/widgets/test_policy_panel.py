@@ -43,7 +43,7 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     cfg = {"mode": "layerwise", "kv_block_size": 512, "ring_slots": 5, "host_kv_gb": 32.0,
            "prefill_chunk_tokens": 4096, "gpu_kv_budget_gb": 2.5, "policy": "quest",
            "policy_params": {"token_budget": 4096, "page_size": 32, "sink": 32, "recent": 48,
-                                             "dense_layers": 1, "min_context": 2048, "min_layer_mb": 8.0, "look_ahead": False, "centroid": False,
+                                             "dense_layers": 1, "min_context": 2048, "min_layer_mb": 8.0, "look_ahead": False, "bound_tokens": 8, "rank": 0, "centroid": False,
                                              "recall": False}}
     with qtbot.assertNotEmitted(policy.config_changed):
         policy.set_config(cfg)
