@@ -159,10 +159,10 @@ class TraceRecorder(Recorder):
         self.detail = (phase != "decode" or now - self._last_detail_us >= self._detail_every_us)
         if self.detail:
             self._last_detail_us = now
+        if self._nvtx is not None:                # (CUDA only) closed by end_step
+            self._nvtx.range_push(f"{phase} {n_tokens} tok")
         if self._cuda:
             self._stream = self._torch.cuda.current_stream(self._device)
-            if self._nvtx is not None:
-                self._nvtx.range_push(f"{phase} {n_tokens} tok")
             self._start_event = self.mark() if self.detail else None
 
     def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
@@ -259,6 +259,8 @@ class TraceRecorder(Recorder):
         self._step_no += 1
         self._open = False
         self.detail = True
+        if self._nvtx is not None:                # the step's range ends here, also when its events are read later
+            self._nvtx.range_pop()
         if self._cuda:
             end = self._event()   # (async copies of picks are read after it, also in a step without detail)
             end.record(self._stream)
@@ -346,8 +348,6 @@ class TraceRecorder(Recorder):
             s.t_us += t_start
         spans += new_spans
         slots += new_slots
-        if self._nvtx is not None:
-            self._nvtx.range_pop()
         return t_start, t_end
 
     def clear(self) -> None:

@@ -306,10 +306,18 @@ def test_cuda_path_with_fake_events():
     with rec.span(COMPUTE, "layer", 0):
         pass
     assert rec.end_step({"k": 1}, defer=True) is None and fake.syncs == 3
+    assert fake.nvtx.depth == 0                  # a step's NVTX range ends with the step, not when it is read
     rec.begin_step("decode", 1)
     rec.end_step({"k": 2}, defer=True)
     assert [s.metrics.get("k") for s in list(rec.steps)[-2:]] == [None, 1]
     assert rec.flush().metrics == {"k": 2} and rec.flush() is None and fake.syncs == 3
+    rec._detail_every_us = 1e12                  # decode steps without a timeline (the app's between redraws)
+    for _ in range(3):
+        rec.begin_step("decode", 1)
+        assert not rec.detail and fake.nvtx.depth == 1
+        rec.end_step(defer=True)
+        assert fake.nvtx.depth == 0
+    assert rec.flush() is not None and fake.nvtx.depth == 0
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_event_timing_one_sync(monkeypatch):
