@@ -1,7 +1,7 @@
 """What Quest keeps of every key on the device to score pages with: `PageBounds` (the paper's key min/max per
-page) or `KeySketch` (every key in a few leading dimensions). Both take a block's keys as they are written (`write`) and
-score a sequence's pages for a query (`scores` -> [Hkv, G, n] per query head, -inf for no candidate), which
-engine/ops/quest_select.py turns into the choice.
+page) or `KeySketch` (every key in a few leading dimensions). Both take a block's keys as they are written
+(`write`) and score a sequence's pages for a query (`scores` -> [Hkv, G, n] per query head, -inf for no
+candidate), which engine/ops/quest_select.py turns into the choice.
 
 Why two. A page's min/max bound assumes every dimension of the query meets its extreme in one key: with post-RoPE
 keys, whose rotating pairs reach both signs within a page, it overshoots the page's best logit several times over
