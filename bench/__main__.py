@@ -206,7 +206,8 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int, phases: l
             if o.policy == "quest":                        # recall needs the whole K read back: a separate run
                 new = 8
                 o._run(m, new + 1)
-                d["decode_h2d_gb_per_token"] = o.last.bytes_h2d / 1e9 / new
+                d["decode_h2d_gb_per_token"] = (o.last.bytes_h2d / 1e9 - d["prefill_h2d_gb"]) / new   # (chunked
+                #  prefill re-reads earlier blocks: the same bytes for a prompt of the same length)
                 o._run(m, new + 1, recall=True)
                 d.update({k: v for k, v in o.last.policy_stats.items()})
                 lines.append(f"  quest: H2D {d['decode_h2d_gb_per_token']:.3f} GB/token (full: {m * per_tok / 1e9:.3f}); "
