@@ -77,8 +77,7 @@ class KeySketch:
         keys, row = keys[:, start:end], block_id * self.block_size + start
         waiting = self.pending[layer]
         if waiting is None:
-            self.keys[layer, row:row + keys.shape[1]] = (keys.to(self.basis.dtype) @ self.basis[layer]).transpose(0, 1)
-            return
+            return self._store(layer, row, keys)
         waiting.append((row, keys.clone()))
         if sum(k.shape[1] for _, k in waiting) >= self.CALIBRATION:
             self._calibrate(layer)
@@ -90,7 +89,11 @@ class KeySketch:
         vectors = torch.linalg.eigh(k.transpose(1, 2) @ k).eigenvectors            # ascending eigenvalues
         self.basis[layer] = vectors[..., -self.rank:].to(self.basis.dtype)
         for row, keys in waiting:
-            self.keys[layer, row:row + keys.shape[1]] = (keys.to(self.basis.dtype) @ self.basis[layer]).transpose(0, 1)
+            self._store(layer, row, keys)
+
+    def _store(self, layer: int, row: int, keys: torch.Tensor) -> None:
+        """keys [Hkv, n, D], projected on the layer's basis, into rows row .. row + n - 1."""
+        self.keys[layer, row:row + keys.shape[1]] = (keys.to(self.basis.dtype) @ self.basis[layer]).transpose(0, 1)
 
     def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q [Hq, D], pool pages [n] -> each page's largest estimated logit per query head [Hkv, G, n] (float32),
