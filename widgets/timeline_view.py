@@ -254,6 +254,10 @@ class TimelineView(TracePlot):
         shown = sum(step.detailed for step in steps)
         if shown < len(steps):   # the engine recorded the timeline of some decode steps only (its detail rate)
             text = f"timeline of {shown} of {len(steps)} steps (figures over those) — " + text
+        for step in steps:       # a long chunked prefill: the timeline of some of its chunks (the same rate)
+            if step.windows is not None and len(step.windows) < step.metrics.get("parts", 0):
+                text = (f"{step.label}: timeline of {len(step.windows)} of {step.metrics['parts']:.0f} chunks "
+                        "(figures over those) — " + text)
         rates = [f"{LANE_TITLES[lane]} {s.gbps[lane]:.2f} GB/s" for lane in (H2D, D2H) if s.gbps.get(lane)]
         if rates:
             text += " — " + " · ".join(rates)

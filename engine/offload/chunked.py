@@ -68,12 +68,12 @@ class ChunkedRunner(OffloadRunner):
         start = seq.num_cached_tokens if is_prefill else len(seq) - 1
         end = len(seq)
         out = None
-        a, chunks = start, list(range(start, end, bs)) if start % bs == 0 else [start]
+        chunks = [start] + list(range((start // bs + 1) * bs, end, bs))     # each chunk's first position
         self._progress = (0, len(chunks) * len(self.model.layers))
-        while a < end:
-            b = min(end, (a // bs + 1) * bs)
-            out = self._chunk(seq, a, b, is_prefill, ctx)
-            a = b
+        for i, a in enumerate(chunks):
+            if len(chunks) > 1:       # the recorder times some chunks of a long prompt (TraceRecorder.begin_part)
+                ctx.recorder.begin_part(i, len(chunks))
+            out = self._chunk(seq, a, min(end, (a // bs + 1) * bs), is_prefill, ctx)
         return out
 
     def _chunk(self, seq: Sequence, a: int, b: int, is_prefill: bool, ctx: StepContext):

@@ -36,6 +36,9 @@ class Recorder:
     def begin_step(self, phase: str, n_tokens: int = 0) -> None:
         pass
 
+    def begin_part(self, i: int, n: int) -> None:
+        pass
+
     def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
              slot: int | None = None, **args):
         return NULL_SPAN

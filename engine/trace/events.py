@@ -152,6 +152,7 @@ class StepTrace:
     metrics: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
     detailed: bool = True   # False: no per-layer timeline was recorded (spans, slots), see TraceRecorder's detail
+    windows: list[tuple[float, float]] | None = None   # a step of parts (chunks) timed in some: where its timeline is
 
     @property
     def dur_us(self) -> float:
@@ -161,6 +162,14 @@ class StepTrace:
     def label(self) -> str:
         """Short name for the step, e.g. "prefill 4096 tok"."""
         return f"{self.phase} {self.n_tokens} tok"
+
+    @property
+    def timeline(self) -> list[tuple[float, float]]:
+        """The intervals [(t0_us, t1_us)] this step's per-layer timeline covers: all of it, none, or its detailed
+        parts (`windows`)."""
+        if not self.detailed:
+            return []
+        return [(self.t0_us, self.t1_us)] if self.windows is None else self.windows
 
     def lane_spans(self, lane: str) -> list[Span]:
         return [s for s in self.spans if s.lane == lane]

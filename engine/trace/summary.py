@@ -3,7 +3,7 @@
     s = summarize(step)                      # one step, a list of steps, or a list of spans
     s = summarize(rec.steps, t0=..., t1=...)  # a time window
     (steps recorded without a timeline, `StepTrace.detailed` False, are skipped: the window is then the detailed
-    steps' own time inside [t0, t1])
+    steps' own time inside [t0, t1]; of a step timed in some of its parts, `StepTrace.windows`, those parts' time)
     s.busy_fraction["h2d"], s.overlap_fraction, s.exposed_copy_us, s.gbps["h2d"]
 
 All figures use interval unions (sort + merge, O(n log n)), so nested or overlapping spans of one lane (two
@@ -98,11 +98,13 @@ def summarize(trace: StepTrace | Iterable[StepTrace] | Iterable[Span], t0: float
     detailed, gaps = [], False       # steps without a timeline (TraceRecorder's detail) are left out of the window
     for item in trace:
         if isinstance(item, StepTrace):
-            if not item.detailed:
+            timeline = item.timeline
+            if timeline != [(item.t0_us, item.t1_us)]:
                 gaps = True
+            if not timeline:
                 continue
             spans += item.spans
-            detailed.append((item.t0_us, item.t1_us))
+            detailed += timeline
         else:
             spans.append(item)
         lo, hi = min(lo, item.t0_us), max(hi, item.t1_us)

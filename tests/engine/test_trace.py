@@ -318,6 +318,16 @@ def test_cuda_path_with_fake_events():
         rec.end_step(defer=True)
         assert fake.nvtx.depth == 0
     assert rec.flush() is not None and fake.nvtx.depth == 0
+    rec.begin_step("prefill", 160)               # a step of parts (chunks) at a detail rate: 3 of them timed
+    for i in range(5):
+        rec.begin_part(i, 5)
+        with rec.span(COMPUTE, f"chunk {i}", 0):
+            time.sleep(0.0002)
+    step = rec.end_step()
+    assert step.metrics == {"parts": 5.0, "parts_detailed": 3.0} and step.detailed
+    assert [s.name for s in step.spans] == ["chunk 0", "chunk 2", "chunk 4"]
+    for (w0, w1), s in zip(step.windows, step.spans):   # resolved from their marks like any span
+        assert step.t0_us <= w0 <= s.t0_us < s.t1_us <= w1 <= step.t1_us
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_event_timing_one_sync(monkeypatch):

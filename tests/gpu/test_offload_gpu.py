@@ -56,18 +56,19 @@ def test_layerwise_copies_overlap_compute_on_cuda():
     rec = TraceRecorder(device=llm.device)
     llm.recorder = rec
     prompt = torch.randint(0, 150000, (12000,)).tolist()
-    llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.recorder = None
     L, block = 36, llm.runner.oe.block_bytes
     llm.close()                                      # (the runner is gone after close)
     prefill, *decodes = [s for s in rec.steps if s.phase in ("prefill", "decode")]
     assert prefill.metrics["bytes_h2d"] == 0 and prefill.metrics["bytes_d2h"] == L * (12000 // BS) * block
-    steady = decodes[2:]
+    steady = decodes[2:-1]   # (the last step's prefetch for a step that never comes differs: seen on an H200)
     for step in steady:
         loads = step.lane_spans(H2D)
         assert step.metrics["bytes_h2d"] == L * (12000 // BS) * block          # what the engine issued
         # the trace: a cross-step prefetch can land in the neighbouring step (seen once with decode graphs)
-        assert abs(sum(s.bytes for s in loads) - L * (12000 // BS) * block) <= (12000 // BS) * block
+        assert abs(sum(s.bytes for s in loads) - L * (12000 // BS) * block) <= (12000 // BS) * block, \
+            [(s.layer, s.bytes >> 20) for s in loads]
         computes = {s.layer: s for s in step.lane_spans(COMPUTE) if s.name.startswith("layer ")}
         assert len(computes) == L
         for s in loads:

@@ -111,6 +111,28 @@ def test_timeline_says_when_it_shows_some_steps_only(qtbot, default_model_dir):
     assert view.bar_count("compute") == len(steps[0].lane_spans("compute"))   # the prefill's layers alone
 
 
+def test_timeline_says_when_a_chunked_prefill_shows_some_chunks_only(qtbot, default_model_dir):
+    """A chunked prefill at the app's detail rate keeps the timeline of some chunks: the view says how many of how
+    many, and its busy figures are over those chunks' time."""
+    from engine import LLM, SamplingParams
+    from engine.trace import TraceRecorder
+
+    llm = LLM(str(default_model_dir), device="cpu", mode="chunked", kv_block_size=16, max_model_len=512,
+              torch_threads=1, ring_slots=2)
+    llm.recorder = rec = TraceRecorder.live()      # 100 tokens in 16-token chunks: 3 of 7 timed
+    llm.generate(PROMPT, SamplingParams(max_tokens=1, ignore_eos=True))
+    llm.close()
+    prefill = next(s for s in rec.steps if s.phase == "prefill")
+    assert prefill.metrics["parts"] == 7 and len(prefill.windows) == 3
+    view = _shown(qtbot, TimelineView())
+    view.set_steps([prefill])
+    view.fit()
+    assert "prefill 100 tok: timeline of 3 of 7 chunks" in view.summary_label.text()
+    sm = view.summary
+    timed = sum(w1 - w0 for w0, w1 in prefill.windows)
+    assert sm.busy_us["compute"] / sm.busy_fraction["compute"] == pytest.approx(timed, rel=1e-6)
+
+
 def test_hovering_a_span_names_its_layer(qtbot, layerwise_steps):
     view = _shown(qtbot, TimelineView())
     view.set_steps(layerwise_steps)

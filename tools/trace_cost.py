@@ -1,0 +1,134 @@
+"""What watching costs a decode, step by step: one engine, turns taken in turn with and without a recorder.
+
+    python tools/trace_cost.py --shape smollm2-135m --ctx 6144 --mode layerwise --turns 6 --steps 64
+    python tools/trace_cost.py --shape qwen3-4b --ctx 32768 --mode layerwise --policy quest:token_budget=2048
+
+Variants (the order rotates every round, each turn a fresh random prompt):
+  plain   no recorder
+  live    the app's recorder (TraceRecorder.live: a per-layer timeline LIVE_DETAIL_HZ times a second)
+  lean    the same recorder with no per-layer timeline in decode (metrics, picks, host spans only)
+  full    a timeline in every step
+Per variant, medians over turns: the turn's decode ms/token as `generate` reports it (first to last token), the
+prefill step (time to first token), the first decode step (it reads the prefill's trace), the steady steps, and
+for `live` the detailed and the other steps apart. So the cost splits into a fixed part per step, the timeline's
+part and the first step's part (reading the prefill's timeline: a chunked prefill's first, middle and last chunks
+at a detail rate, `full` every chunk).
+`--profile VARIANT` adds a cProfile of that variant's last turn (the host functions, by own time).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.shapes import shape_config
+from engine import LLM, SamplingParams
+from engine.sparse import parse_policy_spec
+from engine.trace import TraceRecorder
+
+VARIANTS = ("plain", "live", "lean", "full")
+
+
+def recorder(variant: str, device):
+    if variant == "plain":
+        return None
+    hz = {"live": None, "lean": 1e-9, "full": 1e9}[variant]
+    return TraceRecorder.live(device) if hz is None else TraceRecorder(max_steps=512, device=device, detail_hz=hz)
+
+
+def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, prof=None) -> dict:
+    rec = recorder(variant, llm.device)
+    llm.recorder = rec
+    try:
+        prompt = torch.randint(0, llm.args.vocab_size, (ctx,), generator=gen).tolist()
+        seq = llm.add_request(prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        t0 = time.perf_counter()
+        llm.step()                                     # prefill (its trace is read in the first decode step)
+        prefill = (time.perf_counter() - t0) * 1e3
+        times = []
+        if prof is not None:
+            prof.enable()
+        while not seq.is_finished:
+            t0 = time.perf_counter()
+            llm.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if prof is not None:
+            prof.disable()
+        if rec is not None:
+            rec.flush()
+    finally:
+        llm.recorder = None
+    out = {"turn": (seq.t_last_token - seq.t_first_token) * 1e3 / steps, "prefill": prefill, "first": times[0],
+           "steady": statistics.median(times[1:])}
+    if rec is not None:
+        pre = [s for s in rec.steps if s.phase == "prefill"][-1]
+        out["prefill_records"] = len(pre.spans) + len(pre.slots)
+    if variant == "live":   # decode steps in order: which got a timeline
+        flags = [s.detailed for s in rec.steps if s.phase == "decode"][-len(times):]
+        det = [t for t, d in zip(times, flags) if d][1:]
+        rest = [t for t, d in zip(times, flags) if not d][1:]
+        out.update(detailed=statistics.median(det) if det else float("nan"), n_detailed=len(det),
+                   other=statistics.median(rest) if rest else float("nan"))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a model folder (default: --shape with random weights)")
+    p.add_argument("--shape", default="smollm2-135m")
+    p.add_argument("--ctx", type=int, default=6144)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--turns", type=int, default=6, help="rounds; each runs every variant once")
+    p.add_argument("--mode", default="layerwise")
+    p.add_argument("--policy", default="full", help="name[:key=value...]")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--profile", default=None, choices=VARIANTS, help="cProfile this variant's last turn")
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    (name, params), = parse_policy_spec(a.policy)
+    kw = {"kv_block_size": a.block_size} if a.block_size else {}
+    llm = LLM(a.model, shape=None if a.model else shape_config(a.shape), max_model_len=a.ctx + a.steps + 8,
+              mode=a.mode, policy=name, policy_params=params, max_num_seqs=1, **kw)
+    variants = a.variants.split(",")
+    gen = torch.Generator().manual_seed(0)
+    turn(llm, "plain", a.ctx, 8, gen)                  # warm-up: kernels, graphs
+    turn(llm, "live", a.ctx, 8, gen)
+    res: dict[str, list[dict]] = {v: [] for v in variants}
+    prof = None
+    for r in range(a.turns):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for v in order:
+            if a.profile == v and r == a.turns - 1:
+                import cProfile
+                prof = cProfile.Profile()
+                res[v].append(turn(llm, v, a.ctx, a.steps, gen, prof))
+            else:
+                res[v].append(turn(llm, v, a.ctx, a.steps, gen))
+    print(f"{llm.device} {a.mode} {a.policy} ctx {a.ctx}, {a.steps} decode steps, {a.turns} turns per variant "
+          "(ms; medians over turns)")
+    base = statistics.median(t["turn"] for t in res["plain"]) if "plain" in res else None
+    base_pre = statistics.median(t["prefill"] for t in res["plain"]) if "plain" in res else None
+    for v in variants:
+        med = {k: statistics.median(t[k] for t in res[v]) for k in res[v][0]}
+        ratio = f"  {med['turn'] / base:.3f}x plain" if base else ""
+        extra = f"  prefill's trace {med['prefill_records']:.0f} spans and slot states" if v != "plain" else ""
+        extra += (f"  detailed steps {med['detailed']:.3f} (n={med['n_detailed']:.0f}), others {med['other']:.3f}"
+                 if v == "live" else "")
+        pre = f" ({med['prefill'] / base_pre:.3f}x)" if base_pre else ""
+        print(f"  {v:6s} turn {med['turn']:.3f} ms/token{ratio}  prefill {med['prefill']:.1f}{pre}  first step "
+              f"{med['first']:.2f}  steady "
+              f"{med['steady']:.3f}{extra}")
+        print("         per turn: " + ", ".join(f"{t['turn']:.3f}" for t in res[v]))
+    if prof is not None:
+        import pstats
+        print(f"cProfile of the last {a.profile} turn, by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
+        print("the recorder's part, cumulative:")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("trace/", a.rows)
+
+
+if __name__ == "__main__":
+    main()
