@@ -23,13 +23,12 @@ Detail. Every step is recorded with its metrics, Quest picks, masks and host spa
 its CUDA events alone would slow the engine down by half. With `detail_hz` set (the app: the rate its views
 redraw, LIVE_DETAIL_HZ) a decode step gets that timeline only when 1/detail_hz seconds have passed since the last
 detailed one; the others carry their metrics, picks and host-clock times (`StepTrace.detailed` says which).
-Prefill and every step slower than 1/detail_hz are always detailed, but with detail_hz set a step made of parts (a
-chunked prefill's chunks: `begin_part`) records the timeline of PART_TIMELINES of them, its first, middle and last:
-a 6K-token chunked prefill on a GPU is 24 chunks and ~7.8K spans and slot states, whose events cost the first decode
-step 55 ms to read (86 ms on an H200; every other chunk at the 10 Hz rate still 30 ms). `StepTrace.windows` then
-says which parts have one, and `parts`/`parts_detailed` in its metrics how many. `detail` (per step, or part) tells
-engine code whether to record the timeline; `enabled` whether to record at all. `mark()` records one pooled timing
-event (on the step's compute stream unless given one): consecutive spans share their boundary marks.
+Prefill and every step slower than 1/detail_hz are always detailed, but with detail_hz set a step of parts (a
+chunked prefill's chunks: `begin_part`) times its first, middle and last part only: reading the events of a 6K chunked
+prefill's 24 chunks (7.8K spans and slot states) cost the first decode step ~55 ms on an H100 and an H200.
+`StepTrace.windows` says where the timeline is. `detail` (per step, or part) tells engine code whether to record the
+timeline; `enabled` whether to record at all. `mark()` records one pooled timing event (on the step's compute
+stream unless given one): consecutive spans share their boundary marks.
 
 Threads. Background copy threads may record spans concurrently with the main thread: every append goes
 through one lock. A span belongs to the step that is open when it exits; records made while no step is open
@@ -48,7 +47,6 @@ import numpy as np
 from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
 from engine.trace.events import (HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
                                  StepTrace)
-
 
 PART_TIMELINES = 3   # the parts of a step with a timeline at a detail rate: its first, middle and last
 
@@ -184,7 +182,7 @@ class TraceRecorder(Recorder):
             return
         self._close_part()
         m = min(n, PART_TIMELINES) if self._detail_every_us else n
-        self.detail = m == n or i in {round(k * (n - 1) / (m - 1)) for k in range(m)} if m > 1 else i == 0
+        self.detail = m == n or i in ({round(k * (n - 1) / (m - 1)) for k in range(m)} if m > 1 else {0})
         self._parts += 1
         if self.detail:
             self._parts_detailed += 1
