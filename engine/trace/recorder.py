@@ -16,7 +16,8 @@ by `begin_step` on the current stream) with `elapsed_time`, and the latest of th
 side stream's last event) is placed at `t_end`, since the sync returned when that work ended. The error of
 the anchor is the wake-up latency of the sync (a few µs). `span()` must not be used inside CUDA-graph
 capture: record events there yourself and hand them over with `add_event_span`, resolved the same way.
-Timing events are pooled and reused from step to step.
+Timing events are pooled and reused from step to step. The reading is `engine/trace/event_clock.py`'s; in a step of
+parts, the timed parts' records are read at the next part's start once their events have completed (no sync).
 
 Detail. Every step is recorded with its metrics, Quest picks, masks and host spans. The per-layer timeline
 (compute, copy and wait spans, ring slot states) is what costs: at a few hundred decode steps a second on a GPU
@@ -45,6 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
+from engine.trace.event_clock import EventClock
 from engine.trace.events import (HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
                                  StepTrace)
 
@@ -124,6 +126,7 @@ class TraceRecorder(Recorder):
         self._last_detail_us = -1e18
         self.detail = True               # between steps (loading, tokenizing) everything is recorded
         self._step_detail = True
+        self._clock: EventClock | None = None   # CUDA: the open step's timing events (a detailed step's)
         self._reset_buffers()
 
     @classmethod
@@ -141,6 +144,7 @@ class TraceRecorder(Recorder):
         self._windows: list[tuple] = []         # detailed parts: (start, end) as host µs (CPU) or events (CUDA)
         self._parts = self._parts_detailed = 0
         self._part_start = None
+        self._unsettled = False                 # CUDA: a timed part whose records are not read yet
         self._owned: list = []                 # this step's pooled events (back to the pool once read)
         self._quest: list[QuestPick] = []
         self._quest_bulk: list[tuple] = []
@@ -172,7 +176,7 @@ class TraceRecorder(Recorder):
             self._nvtx.range_push(f"{phase} {n_tokens} tok")
         if self._cuda:
             self._stream = self._torch.cuda.current_stream(self._device)
-            self._start_event = self.mark() if self.detail else None
+            self._clock = EventClock(self.mark()) if self.detail else None
         self._step_detail = self.detail
 
     def begin_part(self, i: int, n: int) -> None:
@@ -181,6 +185,10 @@ class TraceRecorder(Recorder):
         if not self._open or not self._step_detail:
             return
         self._close_part()
+        if self._unsettled and self._windows[-1][1].query():   # read the timed parts' records while the step runs
+            with self._lock:
+                self._pending, self._pending_slots = self._clock.settle(self._pending, self._pending_slots)
+            self._unsettled = False
         m = min(n, PART_TIMELINES) if self._detail_every_us else n
         self.detail = m == n or i in ({round(k * (n - 1) / (m - 1)) for k in range(m)} if m > 1 else {0})
         self._parts += 1
@@ -192,6 +200,7 @@ class TraceRecorder(Recorder):
         if self._part_start is not None:
             self._windows.append((self._part_start, self.mark() if self._cuda else self.now_us()))
             self._part_start = None
+            self._unsettled = self._cuda
 
     def span(self, lane: str, name: str, layer: int | None = None, *, stream=None, bytes: int = 0,
              slot: int | None = None, **args):
@@ -299,7 +308,7 @@ class TraceRecorder(Recorder):
             self._stream = None
             if not defer:
                 self._torch.cuda.synchronize(self._device)
-            closing[14:] = [self._start_event, (end, self.now_us())]
+            closing[14:] = [self._clock, (end, self.now_us())]
             if defer:
                 self._deferred = closing
                 return None
@@ -313,10 +322,13 @@ class TraceRecorder(Recorder):
 
     def _finish(self, closing) -> StepTrace:
         (phase, n_tokens, step_no, t_begin, spans, pending, slots, pending_slots, quest, masks, metrics, owned,
-         detailed, windows, start, end) = closing
-        if self._cuda and start is not None:
-            t0, t1, windows = self._resolve_events(start, *end, pending, pending_slots, spans, slots, windows)
-            t0 = min(t0, t_begin)
+         detailed, windows, clock, end) = closing
+        if self._cuda and clock is not None:    # (the clock's start event is a mark: owned)
+            t0, windows = clock.finish(*end, pending, pending_slots, windows)
+            t0, t1 = min(t0, t_begin), end[1]
+            spans += clock.spans
+            slots += clock.slots
+            self._pool.append(end[0])
         elif self._cuda:                      # no timeline: host clock; the end event guards the async copies
             end[0].synchronize()
             t0, t1 = t_begin, end[1]
@@ -346,44 +358,6 @@ class TraceRecorder(Recorder):
         if self.on_step is not None:
             self.on_step(step)
         return step
-
-    def _resolve_events(self, start, end, t_end, pending, pending_slots, spans, slots, windows=None):
-        """Place every event on the host time base (see the module docstring); the GPU work is done by now."""
-        end.synchronize()
-        seen: dict[int, float] = {}
-
-        def rel(ev):   # µs after the step-start event; events shared by several spans are read once
-            key = id(ev)
-            if key not in seen:
-                seen[key] = start.elapsed_time(ev) * 1e3
-            return seen[key]
-
-        last = rel(end)
-        new_spans, new_slots = [], []
-        for lane, name, layer, nbytes, slot, args, e0, e1 in pending:
-            try:
-                new_spans.append(Span(lane, name, rel(e0), rel(e1), layer, nbytes, slot, args))
-            except RuntimeError:   # an event that was never recorded: drop the span
-                pass
-        for ev, slot, layer, state, tokens, capacity in pending_slots:
-            try:
-                new_slots.append(SlotState(rel(ev), slot, layer, state, tokens, capacity))
-            except RuntimeError:
-                pass
-        self._pool.append(end)   # (start is a mark: owned)
-        # the sync returned when the last GPU work ended: the latest event of any stream sits at t_end
-        last = max([last, *(s.t1_us for s in new_spans), *(s.t_us for s in new_slots)])
-        t_start = t_end - last
-        for s in new_spans:
-            s.t0_us += t_start
-            s.t1_us += t_start
-        for s in new_slots:
-            s.t_us += t_start
-        spans += new_spans
-        slots += new_slots
-        if windows is not None:
-            windows = [(rel(a) + t_start, rel(b) + t_start) for a, b in windows]
-        return t_start, t_end, windows
 
     def clear(self) -> None:
         """Forget the history (step numbering goes on)."""

@@ -225,6 +225,8 @@ class FakeCuda:
     record() plus its stream's lag (the GPU running behind the host); synchronize() is counted."""
 
     class Event:
+        reads = 0
+
         def __init__(self, enable_timing=False):
             assert enable_timing
             self.t = None
@@ -235,7 +237,11 @@ class FakeCuda:
         def synchronize(self):
             pass
 
+        def query(self):   # done once the host clock passes its time (a recorded event, never one not recorded)
+            return self.t is None or time.perf_counter_ns() >= self.t
+
         def elapsed_time(self, end):
+            type(self).reads += 1
             if self.t is None or end.t is None:
                 raise RuntimeError("event not recorded")
             return (end.t - self.t) / 1e6
@@ -319,15 +325,23 @@ def test_cuda_path_with_fake_events():
         assert fake.nvtx.depth == 0
     assert rec.flush() is not None and fake.nvtx.depth == 0
     rec.begin_step("prefill", 160)               # a step of parts (chunks) at a detail rate: 3 of them timed
+    reads = FakeCuda.Event.reads
     for i in range(5):
         rec.begin_part(i, 5)
         with rec.span(COMPUTE, f"chunk {i}", 0):
             time.sleep(0.0002)
+        if i == 0:                               # a copy for a later chunk, done 2 ms after it was issued
+            with rec.span(H2D, "load ahead", 0, stream=side):
+                pass
+    read_while_running = FakeCuda.Event.reads - reads
     step = rec.end_step()
     assert step.metrics == {"parts": 5.0, "parts_detailed": 3.0} and step.detailed
-    assert [s.name for s in step.spans] == ["chunk 0", "chunk 2", "chunk 4"]
+    assert [s.name for s in step.spans] == ["chunk 0", "chunk 2", "chunk 4", "load ahead"]
     for (w0, w1), s in zip(step.windows, step.spans):   # resolved from their marks like any span
         assert step.t0_us <= w0 <= s.t0_us < s.t1_us <= w1 <= step.t1_us
+    assert step.spans[-1].t0_us - step.spans[0].t0_us == pytest.approx(2000, abs=600)
+    # the done parts' events were read while the step ran (chunk 0's two marks at least), the copy's only after
+    assert read_while_running >= 2 and FakeCuda.Event.reads - reads > read_while_running
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_event_timing_one_sync(monkeypatch):
