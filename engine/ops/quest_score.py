@@ -1,5 +1,9 @@
-"""Quest's page bounds: for a query q and each page's element-wise key min and max, the upper bound of q·k over
-the page, sum_d max(q_d * min_d, q_d * max_d), per query head, for every page of a sequence, in one kernel.
+"""Quest's page scores, per query head, for every page of a sequence, each in one kernel:
+
+- bounds: for a query q and each page's element-wise key min and max, the upper bound of q·k over the page,
+  sum_d max(q_d * min_d, q_d * max_d) (`page_bounds`);
+- sketch: for a query already projected into a layer's r leading key directions and every key kept there, the
+  page's largest estimated logit, max over its tokens of qr·kr (`sketch_scores`; engine/sparse/page_index.py).
 
 Layouts: kb [pool_pages, Hkv, 2D] (a page's [min | max] per kv head, one layer), q [Hq, D] (the group of kv head
 h is query heads h*G .. h*G+G-1), pages [n] pool page of each sequence page, valid [n] the candidates.
@@ -18,7 +22,8 @@ try:
 except ImportError:  # CPU-only installs use the reference
     triton = None
 
-PAGES = 64   # pages per program
+PAGES = 64   # pages per program (bounds)
+SKETCH_PAGES = 16   # pages per program (sketch: each page's page_size keys of r values are read)
 
 
 def page_bounds_reference(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -62,6 +67,58 @@ def page_bounds(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: t
     _page_bounds_kernel[(hkv, triton.cdiv(n, PAGES))](
         kb, q, pages, valid.view(torch.uint8), out, n, kb.stride(0), kb.stride(1), q.stride(0), out.stride(0),
         out.stride(1), G=g, D=d, DP=triton.next_power_of_2(d), P=PAGES, num_warps=4)
+    return out
+
+
+def sketch_scores_reference(keys: torch.Tensor, qr: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
+                            page_size: int) -> torch.Tensor:
+    """keys [pool_rows, Hkv, r] (pool page p's tokens at rows p * page_size ..), qr [Hkv, G, r], pages [n],
+    valid [n] -> [Hkv, G, n] float32: max over each page's tokens of qr·k, -inf where not valid."""
+    hkv, g, _ = qr.shape
+    rows = (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).flatten()
+    k = keys.index_select(0, rows)                                             # [n * ps, Hkv, r]
+    logits = torch.bmm(qr.to(keys.dtype), k.permute(1, 2, 0)).float()          # [Hkv, G, n * ps]
+    best = logits.view(hkv, g, -1, page_size).amax(-1)
+    return best.masked_fill_(~valid, float("-inf"))
+
+
+if triton is not None:
+    @triton.jit
+    def _sketch_scores_kernel(keys, qr, pages, valid, out, n, s_kr, s_kh, s_qh, s_qg, s_oh, s_og,
+                              G: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PS: tl.constexpr,
+                              PSP: tl.constexpr, P: tl.constexpr):
+        h = tl.program_id(0)
+        p = tl.program_id(1) * P + tl.arange(0, P)
+        inside = p < n
+        ok = (tl.load(valid + p, mask=inside, other=0) != 0) & inside
+        page = tl.load(pages + p, mask=ok, other=0).to(tl.int64)
+        t = tl.arange(0, PSP)
+        j = tl.arange(0, RP)
+        row = page[:, None] * PS + t[None, :]                                  # [P, PSP] pool rows
+        m = (ok[:, None] & (t[None, :] < PS))[:, :, None] & (j[None, None, :] < R)
+        k = tl.load(keys + row[:, :, None] * s_kr + h * s_kh + j[None, None, :], mask=m, other=0.0).to(tl.float32)
+        for g in tl.static_range(G):
+            qv = tl.load(qr + h * s_qh + g * s_qg + j, mask=j < R, other=0.0).to(tl.float32)
+            logit = tl.sum(k * qv[None, None, :], axis=2)                       # [P, PSP]
+            logit = tl.where(t[None, :] < PS, logit, float("-inf"))
+            best = tl.max(logit, axis=1)
+            tl.store(out + h * s_oh + g * s_og + p, tl.where(ok, best, float("-inf")), mask=inside)
+
+
+def sketch_scores(keys: torch.Tensor, qr: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor, page_size: int,
+                  kernel: bool = True) -> torch.Tensor:
+    """-> [Hkv, G, n] float32 (see `sketch_scores_reference`): one kernel where `kernel` and Triton is there (it
+    reads each candidate page's keys once, straight from the sketch; the torch version copies every page's keys
+    out first, then multiplies and reduces), else the torch version."""
+    if not kernel or triton is None or keys.stride(-1) != 1 or qr.stride(-1) != 1:
+        return sketch_scores_reference(keys, qr, pages, valid, page_size)
+    hkv, g, r = qr.shape
+    n = pages.shape[0]
+    out = torch.empty(hkv, g, n, dtype=torch.float32, device=qr.device)
+    _sketch_scores_kernel[(hkv, triton.cdiv(n, SKETCH_PAGES))](
+        keys, qr, pages, valid.view(torch.uint8), out, n, keys.stride(0), keys.stride(1), qr.stride(0), qr.stride(1),
+        out.stride(0), out.stride(1), G=g, R=r, RP=triton.next_power_of_2(r), PS=page_size,
+        PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, num_warps=4)
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.quest_score import page_scores
+from engine.ops.quest_score import page_scores, sketch_scores
 
 
 class PageBounds:
@@ -57,14 +57,14 @@ class KeySketch:
     """Every key in the r leading directions of its layer's keys. A layer's basis comes from its first keys
     (up to CALIBRATION tokens: the prompt's; kept aside until then, or until the layer is first scored) and stays
     for the policy's life, so projections written earlier stay comparable with later ones, also for blocks back
-    from the prefix cache or the disk tier. Plain torch (a gather, two small matmuls and a max per layer): the CPU
-    path and, captured in Quest's selection graph, CUDA's."""
+    from the prefix cache or the disk tier. A page's score is one kernel on CUDA (engine/ops/quest_score.py:
+    `sketch_scores`, captured in Quest's selection graph), a gather, a matmul and a max in torch on the CPU."""
     CALIBRATION = 4096
 
     def __init__(self, rank: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device, kernels: bool = False):
         """A key's row: its host block * block_size + its offset (the host pool's token rows)."""
-        self.rank, self.page_size, self.block_size = min(rank, head_dim), page_size, block_size
+        self.rank, self.page_size, self.block_size, self.kernels = min(rank, head_dim), page_size, block_size, kernels
         self.keys = torch.zeros(num_layers, num_blocks * block_size, num_kv_heads, self.rank, dtype=dtype,
                                 device=device)
         self.basis = torch.zeros(num_layers, num_kv_heads, head_dim, self.rank, dtype=dtype, device=device)
@@ -72,9 +72,15 @@ class KeySketch:
         self._in_page = torch.arange(page_size, device=device)
 
     def write(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
-        """keys [Hkv, block_size, D] of a block whose tokens start..end-1 were just written: theirs, projected
-        (kept aside while the layer's basis is not made yet)."""
-        keys, row = keys[:, start:end], block_id * self.block_size + start
+        """keys [Hkv, block_size, D] of a block whose tokens start..end-1 were just written: those of the pages
+        they complete, projected (kept aside while the layer's basis is not made yet). Only whole pages are ever
+        scored, so a page's keys are projected once, when it completes (at decode: one page every page_size
+        tokens, not a projection per token)."""
+        ps = self.page_size
+        first, last = start // ps * ps, end // ps * ps                   # the tokens of the pages completed
+        if last <= first:
+            return
+        keys, row = keys[:, first:last], block_id * self.block_size + first
         waiting = self.pending[layer]
         if waiting is None:
             return self._store(layer, row, keys)
@@ -100,10 +106,6 @@ class KeySketch:
         -inf where not `valid`."""
         if self.pending[layer]:                                                   # (a prompt shorter than CALIBRATION)
             self._calibrate(layer)
-        ps, (hkv, d, r) = self.page_size, self.basis.shape[1:]
-        rows = (pages[:, None] * ps + self._in_page).flatten()
-        k = self.keys[layer].index_select(0, rows)                              # [n * ps, Hkv, r]
+        hkv, d, _ = self.basis.shape[1:]
         qr = q.reshape(hkv, -1, d).to(self.basis.dtype) @ self.basis[layer]    # [Hkv, G, r]
-        logits = torch.bmm(qr, k.permute(1, 2, 0)).float()                      # [Hkv, G, n * ps]
-        best = logits.view(hkv, qr.shape[1], -1, ps).amax(-1)
-        return best.masked_fill_(~valid, float("-inf"))
+        return sketch_scores(self.keys[layer], qr, pages, valid, self.page_size, self.kernels)

@@ -1,13 +1,13 @@
 """Quest (Tang et al., 2024): at decode, attend only to the KV pages whose keys can matter to the current query.
 
-Per page (page_size tokens) and layer the policy keeps, on the device, the element-wise min and max of the
-page's keys for each kv head (post-RoPE keys, as attended; with `bound_tokens` of each part of the page of that
-many tokens, a page's bound the largest of its parts'; with `rank`, instead, every key in a few leading
-directions and a page scored by its best token there: engine/sparse/page_index.py). For a query q the upper bound
-of q·k over a page is sum_d max(q_d * min_d, q_d * max_d) (each term is the larger of the two ends of its
-interval). A kv head scores
-a page by the attention share its query heads would give it if each key reached its bound (a softmax of the
-bounds over the candidates per query head, summed over the group's heads), so every head of the group is served.
+Per layer the policy keeps, on the device, what a page (page_size tokens) is scored by, per kv head
+(engine/sparse/page_index.py; post-RoPE keys, as attended): by default (`rank` r = 32) every key in the r leading
+directions of its layer's keys, a page scored by its best token's logit there; with rank=0 the paper's
+element-wise min and max of the page's keys (with `bound_tokens`, of each part of the page of that many tokens, a
+page's bound the largest of its parts'), the upper bound of q·k over a page being sum_d max(q_d * min_d,
+q_d * max_d) (each term is the larger of the two ends of its interval). A kv head scores a page by the attention
+share its query heads would give it if each page's best key reached its score (a softmax of the scores over the
+candidates per query head, summed over the group's heads), so every head of the group is served.
 
 The budget B counts every token a layer attends to per kv head: the sink S (the first tokens, whole pages),
 k pages chosen by score, and the recent window that ends at the new token, where
@@ -70,8 +70,8 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self.parts = self.page_size // self.bound_tokens               # key bounds per page
         self.rank = p["rank"]
         if self.rank and (self.centroid or p["bound_tokens"]):
-            raise ConfigError("quest rank scores pages by low-rank keys, not by bounds: leave bound_tokens and "
-                              "centroid unset with it")
+            raise ConfigError(f"quest centroid and bound_tokens refine the page bounds, which rank (now {self.rank}) "
+                              "replaces: pass rank=0 with them")
         self.wants_layer_keys = self.measure_recall        # read the layer's whole K each sparse step (slow)
         ps = self.page_size
         self.sink = -(-p["sink"] // ps) * ps
@@ -101,7 +101,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._token_bytes = 2 * hkv * d * layout.dtype.itemsize             # one token of one layer: K and V
         self.pages_per_block = ppb = layout.block_size // ps
         shape = (L, layout.num_blocks, layout.block_size, hkv, d)          # what each key's page scores come from
-        self.index = (KeySketch(self.rank, *shape, ps, layout.dtype, dev) if self.rank else
+        self.index = (KeySketch(self.rank, *shape, ps, layout.dtype, dev, dev.type == "cuda") if self.rank else
                       PageBounds(*shape, ps, self.parts, self.centroid, layout.dtype, dev, dev.type == "cuda"))
         n = (layout.max_blocks_per_seq or layout.num_blocks) * ppb       # pages a sequence can have
         lng = dict(dtype=torch.long, device=dev)

@@ -12,9 +12,10 @@ from engine.sparse.quest import QuestPolicy
 from engine.step import StepContext
 
 
-def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2, **kw):
+def _policy(hkv=2, d=8, bs=32, page=16, blocks=6, budget=64, dense_layers=0, sink=16, recent=16, layers=2, rank=0,
+            **kw):
     p = QuestPolicy(token_budget=budget, page_size=page, dense_layers=dense_layers, sink=sink, recent=recent,
-                    min_context=0, min_layer_mb=0, **kw)
+                    min_context=0, min_layer_mb=0, rank=rank, **kw)
     p.initialize(KVLayout(layers, hkv, d, bs, torch.device("cpu"), torch.float32, blocks))
     return p
 
@@ -326,5 +327,5 @@ def test_the_rank_score_is_each_pages_best_token_and_exact_at_full_rank():
 
 
 def test_rank_replaces_the_bounds():
-    with pytest.raises(ConfigError, match="rank scores pages by low-rank keys"):
+    with pytest.raises(ConfigError, match="pass rank=0 with them"):
         _policy(rank=4, centroid=True)

@@ -1,5 +1,6 @@
-"""Quest's page bounds in one kernel (Triton: the interpreter on CPU, compiled on a GPU) against the torch version,
-and the torch version against the definition (the largest q·k over the page's keys is at most its bound)."""
+"""Quest's page scores in one kernel each (Triton: the interpreter on CPU, compiled on a GPU) against the torch
+versions, and the torch versions against their definitions (bounds: the largest q·k over the page's keys is at most
+its bound; sketch: a page's score is its best key's logit in the sketch's coordinates)."""
 import os
 
 import pytest
@@ -10,7 +11,8 @@ if not torch.cuda.is_available():  # must precede any `import triton`
 
 pytest.importorskip("triton")
 
-from engine.ops.quest_score import page_bounds, page_bounds_reference  # noqa: E402
+from engine.ops.quest_score import (page_bounds, page_bounds_reference, sketch_scores,  # noqa: E402
+                                    sketch_scores_reference)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,3 +50,23 @@ def test_bound_is_at_least_every_key_of_the_page():
     got = page_bounds(kb, q, pages, torch.ones(12, dtype=torch.bool, device=DEV))
     true = torch.einsum("hgd,phtd->hgpt", q.cpu().reshape(2, 3, 16), keys).amax(-1)   # [Hkv, G, pages]
     assert (got.cpu() >= true - 1e-4).all() and (got.cpu() - true).abs().min() < 5.0
+
+
+@pytest.mark.parametrize("hkv,g,r,ps", [(2, 3, 8, 4), (2, 4, 12, 16), (1, 1, 32, 8)])   # 12: r not a power of two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sketch_kernel_equals_reference_and_the_best_token(hkv, g, r, ps, dtype):
+    gen = torch.Generator().manual_seed(7)
+    pool_pages = 40
+    keys = torch.randn(pool_pages * ps, hkv, r, generator=gen).to(DEV, dtype)
+    qr = torch.randn(hkv, g, r, generator=gen).to(DEV, dtype)
+    pages = torch.randperm(pool_pages, generator=gen)[:35].to(DEV)       # 35: a ragged last program (16 pages each)
+    valid = (torch.rand(35, generator=gen) < 0.8).to(DEV)
+    want = sketch_scores_reference(keys, qr, pages, valid, ps)
+    got = sketch_scores(keys, qr, pages, valid, ps)
+    assert got.shape == (hkv, g, 35) and got.dtype == torch.float32
+    assert torch.equal(torch.isinf(got), ~valid.expand_as(got)) and valid.any()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[:, :, valid], want[:, :, valid], rtol=tol, atol=tol * r)
+    k = keys.float().cpu().view(pool_pages, ps, hkv, r)[pages.cpu()]                  # [35, ps, Hkv, r]
+    best = torch.einsum("hgr,pthr->hgpt", qr.float().cpu(), k).amax(-1)             # the definition
+    torch.testing.assert_close(want.cpu()[:, :, valid.cpu()], best[:, :, valid.cpu()], rtol=tol, atol=tol * r)
