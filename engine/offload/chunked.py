@@ -27,8 +27,12 @@ launches per layer from Python (measured on an H100, the default model's shape a
 which 8.4 ms on the GPU).
 
 With a load-planning policy (Quest), a decode step streams for each layer what the policy plans: its pages,
-packed per kv head into one-block slots by the page gather (the loads are issued before the layer's query
-exists, as in layerwise mode); the policy then sees the layer's query.
+packed per kv head by the page gather (the loads are issued before the layer's query exists, as in layerwise
+mode); the policy then sees the layer's query. On CUDA, where a slot holds a layer's plan and its newest tokens,
+that is one pack per layer and the step is layerwise decode over the ring with the layer's compute as graph
+replays split around the policy's choice, as layerwise mode does (measured on an H200, the default model's shape at
+6K tokens, Quest 1024 made sparse: 70.0 -> 9.4-12.2 ms/token; layerwise mode 9.3-10.4). Elsewhere (the CPU) the
+plan streams in one-block packs, each attended and merged eagerly.
 """
 from __future__ import annotations
 
@@ -82,10 +86,12 @@ class ChunkedRunner(OffloadRunner):
         cb, off = a // bs, a % bs
         earlier = seq.block_table[:cb]
         observe = [not is_prefill and policy.observes(l, b) for l in range(len(model.layers))]
+        graphed = (self.decode_graphs is not None and not is_prefill   # decode, each layer's earlier blocks (or
+                   and 0 < len(earlier) < oe.slot_blocks)                # its plan) in one slot with room after
         loads, at, tails = [], [], []                   # at[l]: index of layer l's first load
         for l in range(len(model.layers)):
             at.append(len(loads))
-            layer_loads, tail = self._layer_loads(l, earlier, b, is_prefill, ctx)
+            layer_loads, tail = self._layer_loads(l, earlier, b, is_prefill, ctx, graphed)
             loads += layer_loads
             tails.append(tail)
         at.append(len(loads))
@@ -94,10 +100,8 @@ class ChunkedRunner(OffloadRunner):
         for i in range(min(N, len(loads))):
             self._issue((first + i) % N, loads[i])
         h, residual, pos, cos_sin = self._inputs(seq, a, b)
-        if (self.decode_graphs is not None and not is_prefill and not any(observe)   # decode, whole blocks (no
-                and all(t is None for t in tails)                                 # plan), each layer's in one
-                and 0 < len(earlier) < self.oe.slot_blocks):                      # slot with room after
-            return self._graph_step(seq, cb, off, b, loads, first, h, residual, cos_sin, ctx)
+        if graphed and len(loads) == len(model.layers):                   # one load per layer
+            return self._graph_step(seq, cb, off, b, loads, tails, observe, first, h, residual, cos_sin, ctx)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
                 with rec.span(COMPUTE, "attention", l):
@@ -127,12 +131,16 @@ class ChunkedRunner(OffloadRunner):
         self._pos = first + len(loads)
         return self._logits(h, residual, ctx)
 
-    def _graph_step(self, seq: Sequence, cb: int, off: int, end: int, loads, first: int, h, residual, cos_sin,
-                    ctx: StepContext):
-        """One decode token, layer i over ring slot (first + i) % N: the partly filled block copied in after the
-        earlier blocks, then one graph replay (q, k, v, the new token's KV into the slot, attention, MLP); the new
-        token's KV goes back to the decode buffer, which is offloaded when full."""
-        oe, graphs, rec, N, policy = self.oe, self.decode_graphs, ctx.recorder, self.oe.ring_slots, self.policy
+    def _graph_step(self, seq: Sequence, cb: int, off: int, end: int, loads, tails, observe, first: int, h,
+                    residual, cos_sin, ctx: StepContext):
+        """One decode token, layer i over ring slot (first + i) % N, which holds the layer's earlier blocks or the
+        policy's planned rows (packed per kv head): the partly filled block (or, after planned rows, the newest
+        tokens the plan leaves on the device) copied in after them, then the layer's compute as graph replays (q,
+        k, v, the new token's KV into the slot, attention, MLP; where the policy observes the query, split around
+        it, its correction's gather recorded before the attention: as in layerwise mode); the new token's KV goes
+        back to the decode buffer, which is offloaded when full."""
+        oe, graphs, rec, N, policy, bs = (self.oe, self.decode_graphs, ctx.recorder, self.oe.ring_slots, self.policy,
+                                          self.block_size)
         host_block = seq.block_table[cb]
         graphs.begin(h, residual, cos_sin)
         for l, name in enumerate(self.model.layer_names):
@@ -143,13 +151,22 @@ class ChunkedRunner(OffloadRunner):
                 if rec.detail:
                     rec.slot_state(slot, l, COMPUTING, end, oe.capacity_tokens)
                 buf = oe.buffers[slot]
-                oe.writing(slot, cb)
-                if off:
-                    buf[cb].copy_(oe.dbuf[l])
-                graphs.run(l, slot, 0, (cb, off, end))
+                between = (lambda q: self._query_fix(l, slot, q[0], ctx)) if observe[l] else None
+                if tails[l] is None:             # whole blocks: the partly filled one right after them
+                    oe.writing(slot, cb)
+                    if off:
+                        buf[cb].copy_(oe.dbuf[l])
+                    new = (cb, off)
+                    graphs.run(l, slot, 0, (cb, off, end), between)
+                else:                            # planned rows, then the plan's newest tokens (the new one last)
+                    n_rows = loads[l][1].shape[1]
+                    self._copy_tokens(buf, n_rows, oe.dbuf[l], off + 1 - tails[l], off)
+                    f = n_rows + tails[l] - 1
+                    new = (f // bs, f % bs)
+                    graphs.run(l, slot, 1, (*new, f + 1), between)
                 if off == 0:                     # a new block: its previous contents must have left for the host
                     wait_on(oe.dbuf_read[l], self.device, rec, l)
-                oe.dbuf[l][:, :, off].copy_(buf[cb, :, :, off])
+                oe.dbuf[l][:, :, off].copy_(buf[new[0], :, :, new[1]])
                 policy.on_kv_written(l, host_block, oe.dbuf[l][0], off, off + 1)
                 if end % self.block_size == 0:
                     oe.offload_dbuf(l, host_block)
@@ -160,19 +177,22 @@ class ChunkedRunner(OffloadRunner):
         self._pos = first + len(loads)
         return self._logits(graphs.h, graphs.residual, ctx)
 
-    def _layer_loads(self, layer: int, earlier: list[int], end: int, is_prefill: bool, ctx: StepContext
-                     ) -> tuple[list[tuple], int | None]:
+    def _layer_loads(self, layer: int, earlier: list[int], end: int, is_prefill: bool, ctx: StepContext,
+                     one_slot: bool = False) -> tuple[list[tuple], int | None]:
         """What layer `layer` streams for a chunk ending at token `end`: each earlier block, or the policy's planned
-        rows in one-block packs (then also how many of the newest tokens it attends on the device)."""
+        rows in one-block packs (then also how many of the newest tokens it attends on the device); `one_slot`: the
+        plan in one pack where a slot holds it and its newest tokens (a graphed decode step)."""
         plan = None
         if self.policy.plans_loads and not is_prefill and earlier:
             plan = self.policy.plan_load(layer, end, ctx)
         if plan is None:                       # whole blocks, in groups: at decode filling a slot, at prefill as many
             g = self.prefill_group if is_prefill else self.group   # as keep the chunk's scores in PREFILL_SCORES_BYTES
             return [(layer, list(earlier[i:i + g])) for i in range(0, len(earlier), g)], None
-        bs, n = self.block_size, plan.rows.shape[1]
+        n = plan.rows.shape[1]
         moved = n if plan.moved is None else plan.moved                  # the rows before it are not -1
-        return [(layer, plan.rows[:, j:j + bs], j, max(0, min(bs, moved - j))) for j in range(0, n, bs)], \
+        cap = self.oe.capacity_tokens
+        pack = cap if one_slot and n + plan.device_tail <= cap else self.block_size
+        return [(layer, plan.rows[:, j:j + pack], j, max(0, min(pack, moved - j))) for j in range(0, n, pack)], \
             plan.device_tail
 
     def _issue(self, slot: int, item: tuple) -> None:

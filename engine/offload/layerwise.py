@@ -155,14 +155,11 @@ class LayerwiseRunner(OffloadRunner):
         the next layer's query as guessed from this layer's input (`guess()`), and what it asks for is fetched
         on the copy stream into the next layer's buffer while this layer computes (the buffer's load for this
         step is issued already where the ring has two slots or more; the policy checks)."""
-        policy, work = self.policy, None
-        fix = policy.observe_query(l, q, ctx)
-        if fix is not None:
-            gather = lambda: self.oe.fix_rows(buf, l, fix.rows, fix.dst)   # noqa: E731
-            if defer:                         # tagged by its tensors, which a graph recording it depends on
-                work = (tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)), gather)
-            else:
-                gather()
+        policy = self.policy
+        work = self._query_fix(l, buf, q, ctx)
+        if work is not None and not defer:
+            work[1]()
+            work = None
         nxt = self._buffer(l + 1) if policy.looks_ahead and l + 1 < len(self.model.layers) else buf
         if nxt != buf:
             ahead = policy.observe_ahead(l + 1, guess(), ctx)
@@ -185,16 +182,6 @@ class LayerwiseRunner(OffloadRunner):
         self._copy_tokens(oe.buffers[buf], n_rows, oe.dbuf[l], partial - tail, partial - 1)
         f = n_rows + tail - 1
         return (f // bs, f % bs), n_rows + tail
-
-    def _copy_tokens(self, dst: torch.Tensor, at: int, src: torch.Tensor, a: int, b: int) -> None:
-        """Tokens a..b-1 of one block [2, Hkv, bs, D] -> flat token positions at.. of a buffer [blocks, 2, Hkv, bs,
-        D] (a block boundary there splits the copy in two)."""
-        bs = self.block_size
-        while a < b:
-            blk, off = at // bs, at % bs
-            n = min(b - a, bs - off)
-            dst[blk, :, :, off:off + n].copy_(src[:, :, a:a + n])
-            a, at = a + n, at + n
 
     def _prefill_attention(self, q, buf: int, end: int, l: int, ctx: StepContext) -> torch.Tensor:
         """The policy's prefill attention over the layer's whole K, V (cached prefix + new tokens)."""

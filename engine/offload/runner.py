@@ -134,6 +134,27 @@ class OffloadRunner:
         h = self.model.embed_tokens(ids)
         return h, torch.zeros_like(h), pos, self.model.rotary.cos_sin(pos, h.dtype)
 
+    def _query_fix(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext):
+        """Decode: show the policy layer l's query (q [Hq, D]) before its attention -> the correction it asks for
+        as (tag, work) for the attention's CUDA graph (engine/offload/decode_graphs.py), or None: work gathers the
+        rows into buffer `buf`; tag names the policy's static tensors it reads, which a graph recording it depends
+        on."""
+        fix = self.policy.observe_query(l, q, ctx)
+        if fix is None:
+            return None
+        return (tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)),
+                lambda: self.oe.fix_rows(buf, l, fix.rows, fix.dst))
+
+    def _copy_tokens(self, dst: torch.Tensor, at: int, src: torch.Tensor, a: int, b: int) -> None:
+        """Tokens a..b-1 of one block [2, Hkv, bs, D] -> flat token positions at.. of a buffer [blocks, 2, Hkv, bs,
+        D] (a block boundary there splits the copy in two)."""
+        bs = self.block_size
+        while a < b:
+            blk, off = at // bs, at % bs
+            n = min(b - a, bs - off)
+            dst[blk, :, :, off:off + n].copy_(src[:, :, a:a + n])
+            a, at = a + n, at + n
+
     def _logits(self, h, residual, ctx: StepContext) -> torch.Tensor:
         with ctx.recorder.span(COMPUTE, "logits"):
             return self.model.logits(self.model.norm(h[-1:], residual[-1:])[0])

@@ -119,19 +119,25 @@ def test_quest_recall_on_gpu():
     assert 0 < st["recall_min_head"] <= st["recall"] <= 1 and len(st["recall_per_layer"]) == 34
 
 
+@pytest.mark.parametrize("mode", ["layerwise", "chunked"])
 @pytest.mark.parametrize("policy,params", [
-    ("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0}),
-    ("quest", {"token_budget": 512, "min_context": 0, "min_layer_mb": 0, "rank": 16})])
-def test_layerwise_decode_graphs_answer_like_eager(policy, params):
-    """Each decode layer replayed as a CUDA graph gives the tokens the eager layers give (fp32)."""
+    ("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0, "rank": 0}),
+    ("quest", {"token_budget": 512, "min_context": 0, "min_layer_mb": 0})])
+def test_decode_graphs_answer_like_eager(policy, params, mode):
+    """Each decode layer replayed as CUDA graphs gives the tokens the eager layers give (fp32), in both offload
+    modes; with Quest (bounds or the default low-rank score) the layers choose pages and their graphs record the
+    correction's gather."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     outs = []
     for eager in (True, False):
-        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
+        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode=mode,
                   kv_block_size=256, policy=policy, policy_params=params, enforce_eager=eager)
-        outs.append(llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids)
+        out = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+        outs.append(out.token_ids)
         graphs = llm.runner.decode_graphs
         assert (graphs is None) == eager and (eager or len(graphs.graphs) >= 36)
+        if policy == "quest":
+            assert out.stats.policy_stats["sparse"] and out.stats.policy_stats["fetched_pages_per_step"] > 0
         llm.close()
         del llm
         torch.cuda.empty_cache()
