@@ -2,6 +2,8 @@
 
     python tools/profile_decode.py --shape qwen3-4b --ctx 32768 --mode layerwise --policy quest
     python tools/profile_decode.py --shape qwen3-4b --ctx 32768 --mode layerwise --syncs   # host syncs per step
+    python tools/profile_decode.py --shape qwen3-4b --ctx 131072 --policy quest --params '{"token_budget": 2048}' \
+        --gpu-kv-budget 2.7 --layers                   # one steady step's timeline, per layer (CUDA events)
 
 `--syncs` profiles the steps with Python stacks and counts, per decode step, the calls that block the host
 (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) and the copies
@@ -42,20 +44,29 @@ def main() -> None:
     p.add_argument("--split", action="store_true", help="GPU time per step by what launched it: the policy's scoring "
                    "and selection, the row gathers (loads and corrections), attention, the rest; and the step's wall "
                    "time")
+    p.add_argument("--layers", action="store_true", help="one steady step's timeline per layer, from the engine's own "
+                   "trace (every step timed): each layer's compute span and its wait for copies, and the copy lane's "
+                   "spans (where the step's time goes, layer by layer)")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
               policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
-    if a.trace:
+    if a.trace or a.layers:
         from engine.trace import TraceRecorder
-        llm.recorder = TraceRecorder.live(llm.device)
+        llm.recorder = TraceRecorder(device=llm.device) if a.layers else TraceRecorder.live(llm.device)
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=a.warm + 2 * a.steps + 4, ignore_eos=True))
     llm.step()                                     # prefill
     for _ in range(a.warm):                        # warm-up decode steps
         llm.step()
     sync()
+    if a.layers:
+        for _ in range(a.steps):
+            llm.step()
+        llm.recorder.flush()
+        layer_report([s for s in llm.recorder.steps if s.phase == "decode"][-a.steps:])
+        return
     if a.python:
         import cProfile
         import pstats
@@ -172,6 +183,31 @@ def sync_report(prof, steps: int) -> None:
           f"{counts[('pageable', False)] / steps:g}")
     for key, n in sorted(names.items(), key=lambda kv: -kv[1]):
         print(f"  {n / steps:g}/step  {key[0]}: {key[1]} ({key[2]}) {key[3]}")
+
+
+def layer_report(steps) -> None:
+    """Per layer, medians over the steps: the compute span (the layer's work on the compute stream, from the end of
+    its wait to its end), the wait for its copies before it, and what the copy lane moved for it."""
+    import statistics
+    rows: dict[int, dict[str, list[float]]] = {}
+    for s in steps:
+        for sp in s.spans:
+            if sp.layer is None or sp.lane == "host" or sp.lane == "compute" and sp.name in ("attention", "mlp"):
+                continue                                  # (the CPU path's parts of a layer: inside its span)
+            kind = ("wait" if sp.name == "wait for copy" else "compute") if sp.lane == "compute" else sp.lane
+            per = rows.setdefault(sp.layer, {}).setdefault(kind, [0.0] * len(steps))
+            per[steps.index(s)] += sp.dur_us
+    walls = [s.dur_us / 1e3 for s in steps]
+    print(f"{len(steps)} steps: {statistics.median(walls):.2f} ms/step (median; traced, every step timed)")
+    kinds = sorted({k for r in rows.values() for k in r})
+    print("layer " + "".join(f"{k + ' µs':>14}" for k in kinds))
+    total = dict.fromkeys(kinds, 0.0)
+    for layer in sorted(rows):
+        med = {k: statistics.median(rows[layer].get(k, [0.0])) for k in kinds}
+        for k in kinds:
+            total[k] += med[k]
+        print(f"{layer:5d} " + "".join(f"{med[k]:14.0f}" for k in kinds))
+    print("sum   " + "".join(f"{total[k] / 1e3:11.2f} ms" for k in kinds))
 
 
 def split_report(prof, steps: int, wall_ms: float) -> None:
