@@ -4,6 +4,7 @@
     python tools/profile_decode.py --shape qwen3-4b --ctx 32768 --mode layerwise --syncs   # host syncs per step
     python tools/profile_decode.py --shape qwen3-4b --ctx 131072 --policy quest --params '{"token_budget": 2048}' \
         --gpu-kv-budget 2.7 --layers                   # one steady step's timeline, per layer (CUDA events)
+    python tools/profile_decode.py ... --wall --steps 24   # steady steps' wall time, and when the host is done issuing
 
 `--syncs` profiles the steps with Python stacks and counts, per decode step, the calls that block the host
 (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) and the copies
@@ -47,6 +48,9 @@ def main() -> None:
     p.add_argument("--layers", action="store_true", help="one steady step's timeline per layer, from the engine's own "
                    "trace (every step timed): each layer's compute span and its wait for copies, and the copy lane's "
                    "spans (where the step's time goes, layer by layer)")
+    p.add_argument("--wall", action="store_true", help="each steady step's wall time (median, min, each step) and "
+                   "when the host was done issuing its layers (the model's last layer left the runner): a host done "
+                   "early means the GPU's own chain sets the pace")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
@@ -61,6 +65,9 @@ def main() -> None:
     for _ in range(a.warm):                        # warm-up decode steps
         llm.step()
     sync()
+    if a.wall:
+        wall_report(llm, a.steps)
+        return
     if a.layers:
         for _ in range(a.steps):
             llm.step()
@@ -183,6 +190,32 @@ def sync_report(prof, steps: int) -> None:
           f"{counts[('pageable', False)] / steps:g}")
     for key, n in sorted(names.items(), key=lambda kv: -kv[1]):
         print(f"  {n / steps:g}/step  {key[0]}: {key[1]} ({key[2]}) {key[3]}")
+
+
+def wall_report(llm, steps: int) -> None:
+    import statistics
+    import time
+
+    from engine.offload.runner import OffloadRunner
+    issued: list[float] = []
+    logits = OffloadRunner._logits
+
+    def timed_logits(self, *args, **kw):           # the layer loop has been issued when the logits are
+        issued.append(time.perf_counter())
+        return logits(self, *args, **kw)
+    OffloadRunner._logits = timed_logits
+    walls, hosts = [], []
+    for _ in range(steps):
+        issued.clear()
+        t0 = time.perf_counter()
+        llm.step()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        hosts.append((issued[0] - t0) * 1e3 if issued else float("nan"))
+    OffloadRunner._logits = logits
+    h2d = llm.runner.last_step_bytes[0] / 1e6
+    print(f"{steps} steady steps: {statistics.median(walls):.2f} ms/step (median; min {min(walls):.2f}); the host done "
+          f"issuing the layers after {statistics.median(hosts):.2f} ms (median); H2D {h2d:.1f} MB in the last step")
+    print("  each step (ms):", " ".join(f"{w:.1f}" for w in walls))
 
 
 def layer_report(steps) -> None:

@@ -25,8 +25,10 @@ its CUDA events alone would slow the engine down by half. With `detail_hz` set (
 redraw, LIVE_DETAIL_HZ) a decode step gets that timeline only when 1/detail_hz seconds have passed since the last
 detailed one; the others carry their metrics, picks and host-clock times (`StepTrace.detailed` says which).
 Prefill and every step slower than 1/detail_hz are always detailed, but with detail_hz set a step of parts (a
-chunked prefill's chunks: `begin_part`) times its first, middle and last part only: reading the events of a 6K chunked
-prefill's 24 chunks (7.8K spans and slot states) cost the first decode step ~55 ms on an H100 and an H200.
+chunked prefill's chunks: `begin_part`) times three parts only, its first, a middle one and its last but one (whose
+records are then read while the last part runs, not by the next step): reading the events of a 6K chunked prefill's
+24 chunks (7.8K spans and slot states) cost the first decode step ~55 ms on an H100 and an H200. After such a
+prefill the next decode timeline comes a full 1/detail_hz after the prefill's end, not its start.
 `StepTrace.windows` says where the timeline is. `detail` (per step, or part) tells engine code whether to record the
 timeline; `enabled` whether to record at all. `mark()` records one pooled timing event (on the step's compute
 stream unless given one): consecutive spans share their boundary marks.
@@ -50,7 +52,7 @@ from engine.trace.event_clock import EventClock
 from engine.trace.events import (HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
                                  StepTrace)
 
-PART_TIMELINES = 3   # the parts of a step with a timeline at a detail rate: its first, middle and last
+PART_TIMELINES = 3   # the parts of a step with a timeline at a detail rate: its first, a middle one, its last but one
 
 
 class _HostSpan:
@@ -190,7 +192,7 @@ class TraceRecorder(Recorder):
                 self._pending, self._pending_slots = self._clock.settle(self._pending, self._pending_slots)
             self._unsettled = False
         m = min(n, PART_TIMELINES) if self._detail_every_us else n
-        self.detail = m == n or i in ({round(k * (n - 1) / (m - 1)) for k in range(m)} if m > 1 else {0})
+        self.detail = m == n or i in ({round(k * (n - 2) / (m - 1)) for k in range(m)} if m > 1 else {0})
         self._parts += 1
         if self.detail:
             self._parts_detailed += 1
@@ -299,6 +301,8 @@ class TraceRecorder(Recorder):
             self._reset_buffers()
         self._step_no += 1
         self._open = False
+        if self._phase != "decode" and self._step_detail:    # (a decode timeline waits a full interval after it)
+            self._last_detail_us = self.now_us()
         self.detail = True
         if self._nvtx is not None:                # the step's range ends here, also when its events are read later
             self._nvtx.range_pop()

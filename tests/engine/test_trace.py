@@ -198,6 +198,23 @@ def test_cpu_spans_from_threads_land_in_the_step():
     assert check_chrome_trace(to_chrome_trace(rec.steps)) == []
 
 
+def test_a_decode_timeline_waits_a_full_interval_after_a_prefill_ends():
+    """At a detail rate the first decode steps after a long prefill get no timeline of their own until 1/detail_hz
+    has passed since the prefill's end (the prefill's own timeline is the one just drawn); then one does."""
+    rec = TraceRecorder(detail_hz=20.0)                 # every 50 ms
+    rec.begin_step("prefill", 100)
+    time.sleep(0.08)                                    # a prefill longer than the interval
+    rec.end_step()
+    rec.begin_step("decode", 1)
+    assert not rec.detail
+    rec.end_step()
+    time.sleep(0.06)
+    rec.begin_step("decode", 1)
+    assert rec.detail
+    rec.end_step()
+    assert [s.detailed for s in rec.steps] == [True, False, True]
+
+
 def test_masks_added_spans_and_an_unclosed_step():
     rec = TraceRecorder()
     rec.begin_step("prefill", 64)
@@ -336,12 +353,12 @@ def test_cuda_path_with_fake_events():
     read_while_running = FakeCuda.Event.reads - reads
     step = rec.end_step()
     assert step.metrics == {"parts": 5.0, "parts_detailed": 3.0} and step.detailed
-    assert [s.name for s in step.spans] == ["chunk 0", "chunk 2", "chunk 4", "load ahead"]
+    assert [s.name for s in step.spans] == ["chunk 0", "chunk 2", "chunk 3", "load ahead"]   # not the last one
     for (w0, w1), s in zip(step.windows, step.spans):   # resolved from their marks like any span
         assert step.t0_us <= w0 <= s.t0_us < s.t1_us <= w1 <= step.t1_us
     assert step.spans[-1].t0_us - step.spans[0].t0_us == pytest.approx(2000, abs=600)
-    # the done parts' events were read while the step ran (chunk 0's two marks at least), the copy's only after
-    assert read_while_running >= 2 and FakeCuda.Event.reads - reads > read_while_running
+    # the done parts' events were read while the step ran (the three chunks': two marks each), the copy's only after
+    assert read_while_running >= 6 and FakeCuda.Event.reads - reads > read_while_running
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_event_timing_one_sync(monkeypatch):
