@@ -37,13 +37,18 @@ def page_bounds_reference(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _page_bounds_kernel(kb, q, pages, valid, out, n, s_kp, s_kh, s_qh, s_oh, s_og,
-                            G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr):
-        h = tl.program_id(0)
+    def _program_pages(pages, valid, n, P: tl.constexpr):
+        """This program's P sequence pages: their index, which are inside n, which are candidates, their pool ids."""
         p = tl.program_id(1) * P + tl.arange(0, P)
         inside = p < n
         ok = (tl.load(valid + p, mask=inside, other=0) != 0) & inside
-        page = tl.load(pages + p, mask=ok, other=0).to(tl.int64)
+        return p, inside, ok, tl.load(pages + p, mask=ok, other=0).to(tl.int64)
+
+    @triton.jit
+    def _page_bounds_kernel(kb, q, pages, valid, out, n, s_kp, s_kh, s_qh, s_oh, s_og,
+                            G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr):
+        h = tl.program_id(0)
+        p, inside, ok, page = _program_pages(pages, valid, n, P)
         d = tl.arange(0, DP)
         at = page[:, None] * s_kp + h * s_kh + d[None, :]
         m = ok[:, None] & (d[None, :] < D)
@@ -88,10 +93,7 @@ if triton is not None:
                               G: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PS: tl.constexpr,
                               PSP: tl.constexpr, P: tl.constexpr):
         h = tl.program_id(0)
-        p = tl.program_id(1) * P + tl.arange(0, P)
-        inside = p < n
-        ok = (tl.load(valid + p, mask=inside, other=0) != 0) & inside
-        page = tl.load(pages + p, mask=ok, other=0).to(tl.int64)
+        p, inside, ok, page = _program_pages(pages, valid, n, P)
         t = tl.arange(0, PSP)
         j = tl.arange(0, RP)
         row = page[:, None] * PS + t[None, :]                                  # [P, PSP] pool rows
