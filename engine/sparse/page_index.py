@@ -69,7 +69,6 @@ class KeySketch:
                                 device=device)
         self.basis = torch.zeros(num_layers, num_kv_heads, head_dim, self.rank, dtype=dtype, device=device)
         self.pending: list[list | None] = [[] for _ in range(num_layers)]   # (row, keys) before the basis; None after
-        self._in_page = torch.arange(page_size, device=device)
 
     def write(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
         """keys [Hkv, block_size, D] of a block whose tokens start..end-1 were just written: those of the pages
