@@ -216,6 +216,11 @@ def wall_report(llm, steps: int) -> None:
     print(f"{steps} steady steps: {statistics.median(walls):.2f} ms/step (median; min {min(walls):.2f}); the host done "
           f"issuing the layers after {statistics.median(hosts):.2f} ms (median); H2D {h2d:.1f} MB in the last step")
     print("  each step (ms):", " ".join(f"{w:.1f}" for w in walls))
+    st = llm.runner.policy.stats()
+    if "fetched_pages_per_step" in st:
+        print(f"  per sparse layer and kv head, of {st['pages_per_head']} pages: the correction fetched "
+              f"{st['fetched_pages_per_step']:.1f}, the guess one layer ahead {st['fetched_ahead_pages_per_step']:.1f}"
+              f" (mean over the run); speculating layers {st['speculating_layers']} of {st['choosing_layers']}")
 
 
 def layer_report(steps) -> None:

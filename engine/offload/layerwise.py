@@ -103,6 +103,8 @@ class LayerwiseRunner(OffloadRunner):
                 q_last = None
                 looks = observe and (is_prefill or policy.observes(l, end)   # decode: it sees q before attention
                                      or policy.looks_ahead and policy.observes(l + 1, end))   # (or guesses l + 1's)
+                if not looks:
+                    oe.wait_ahead(buf, rec, l)
                 if looks and policy.wants_layer_keys:
                     ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
                 if graphs is not None:               # decode: q out, h and residual in place
@@ -154,17 +156,24 @@ class LayerwiseRunner(OffloadRunner):
         returns (defer: return it as (tag, work) for the attention's graph instead). A policy that looks ahead then sees
         the next layer's query as guessed from this layer's input (`guess()`), and what it asks for is fetched
         on the copy stream into the next layer's buffer while this layer computes (the buffer's load for this
-        step is issued already where the ring has two slots or more; the policy checks)."""
+        step is issued already where the ring has two slots or more; the policy checks). On CUDA the guess's
+        choice runs on the copy stream too, issued before this layer's own choice: the fetch overlaps this
+        layer's choice, correction and attention, and neither choice waits for the other."""
         policy = self.policy
+        nxt = self._buffer(l + 1) if policy.looks_ahead and l + 1 < len(self.model.layers) else buf
+        if nxt != buf and self.device.type == "cuda":
+            gather = lambda fix: self.oe.fix_rows(nxt, l + 1, fix.rows, fix.dst, ahead=True)   # noqa: E731
+            gather.tag = nxt
+            policy.observe_ahead(l + 1, guess(), ctx, lambda work: self.oe.ahead(nxt, l + 1, work, defer=True), gather)
+        elif nxt != buf:
+            ahead = policy.observe_ahead(l + 1, guess(), ctx)
+            if ahead is not None:
+                self.oe.fetch_rows(nxt, l + 1, ahead.rows, ahead.dst)
+        self.oe.wait_ahead(buf, ctx.recorder, l)
         work = self._query_fix(l, buf, q, ctx)
         if work is not None and not defer:
             work[1]()
             work = None
-        nxt = self._buffer(l + 1) if policy.looks_ahead and l + 1 < len(self.model.layers) else buf
-        if nxt != buf:
-            ahead = policy.observe_ahead(l + 1, guess(), ctx)
-            if ahead is not None:
-                self.oe.fetch_rows(nxt, l + 1, ahead.rows, ahead.dst)
         return work
 
     def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):

@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from engine.errors import OutOfMemoryError
-from engine.offload.streams import CopyStream, compute_done
+from engine.offload.streams import CopyStream, compute_done, wait_on
 from engine.trace.events import D2H, FREE, H2D, LOADING, READY
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -80,6 +80,7 @@ class OffloadEngine:
         self.resident = {layer: ring_slots + i for i, layer in enumerate(resident_layers)}
         n = len(self.buffers)
         self.loaded: list = [None] * n     # the buffer's last load
+        self._ahead: dict = {}             # buffer -> a deferred `ahead` (CUDA): waited for before the choice
         self.free: list = [None] * n       # compute done with the buffer
         self.read: list = [None] * n       # the buffer's last offload (it reads the buffer)
         self.held: list[dict] = [{} for _ in range(n)]  # position -> (layer, host block, version) it holds
@@ -89,6 +90,8 @@ class OffloadEngine:
         self.dbuf_read: list = [None] * num_layers      # last offload out of each layer's decode buffer
         self.h2d = CopyStream("h2d", H2D, device)
         self.d2h = CopyStream("d2h", D2H, device)
+        # CUDA: work fetched one layer ahead has its own stream, so it never queues behind a whole layer's load
+        self.h2d_ahead = CopyStream("h2d ahead", H2D, device) if device.type == "cuda" else self.h2d
         self.bytes_h2d = self.bytes_d2h = 0
         self._closed = False
 
@@ -210,21 +213,42 @@ class OffloadEngine:
                                         nbytes=nbytes, compute=self.compute, tokens=n, **trace)
         self.bytes_h2d += nbytes
 
-    def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor, ahead: bool = False) -> None:
         """Host-pool rows -> packed positions dst_rows of a loaded buffer, on the compute stream (a correction
-        right before attention; rows of -1 are skipped). How many it moved is known on the device only: the policy
-        counts them (Quest's `quest_fetched`) and the runner adds their bytes after the step."""
-        from engine.ops.triton_gather import gather_rows, gather_rows_reference
-        gather = gather_rows if self.device.type == "cuda" else gather_rows_reference
-        gather(self._source(layer), self.buffers[buf], rows, dst_rows)
+        right before attention; rows of -1 are skipped), or `ahead` (a fetch on the copy stream, fewer programs).
+        How many it moved is known on the device only: the policy counts them (Quest's `quest_fetched`) and the
+        runner adds their bytes after the step."""
+        from engine.ops.triton_gather import AHEAD_PROGRAMS, FIX_PROGRAMS, gather_rows, gather_rows_reference
+        if self.device.type == "cuda":
+            programs = AHEAD_PROGRAMS if ahead else FIX_PROGRAMS
+            gather_rows(self._source(layer), self.buffers[buf], rows, dst_rows, programs)
+        else:
+            gather_rows_reference(self._source(layer), self.buffers[buf], rows, dst_rows)
 
     def fetch_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """`fix_rows` on the copy stream, after the compute issued so far (which made rows and dst_rows) and the
         buffer's load: a correction made ahead of the layer that reads the buffer (it waits for it)."""
-        self.loaded[buf] = self.h2d.run(lambda: self.fix_rows(buf, layer, rows, dst_rows),
-                                        (self.loaded[buf], compute_done(self.device, self.compute)),
-                                        recorder=self.recorder, name=f"fetch L{layer} rows ahead", layer=layer,
-                                        slot=buf if buf < self.ring_slots else None, compute=self.compute)
+        self.ahead(buf, layer, lambda: self.fix_rows(buf, layer, rows, dst_rows, ahead=True))
+
+    def ahead(self, buf: int, layer: int, work, defer: bool = False) -> None:
+        """`work()` on the copy stream (CUDA: the current stream while it runs), after the compute issued so far
+        and the buffer's load; the layer that reads the buffer waits for it: with its loads, or with `defer` at
+        `wait_ahead` (before the layer's own choice: its q, k, v need only the loads). E.g. a choice made from a
+        guessed query and the gather of what it chose, one graph replay (engine/sparse/quest.py `observe_ahead`)."""
+        done = self.h2d_ahead.run(work, (self.loaded[buf], compute_done(self.device, self.compute)),
+                            recorder=self.recorder, name=f"fetch L{layer} rows ahead", layer=layer,
+                            slot=buf if buf < self.ring_slots else None, compute=self.compute)
+        if defer:
+            self._ahead[buf] = done
+        else:
+            self.loaded[buf] = done
+
+    def wait_ahead(self, buf: int, recorder=None, layer: int | None = None) -> None:
+        """The compute stream waits for the buffer's deferred `ahead` work, if any."""
+        done = self._ahead.pop(buf, None)
+        if done is not None:
+            wait_on(done, self.device, recorder or self.recorder, layer, buf if buf < self.ring_slots else None,
+                    name="wait for the fetch ahead", stream=self.compute)
 
     def _source(self, layer: int) -> torch.Tensor:
         """One layer of the host pool as kernels read it: on CUDA through the pool's device mapping."""
@@ -300,6 +324,7 @@ class OffloadEngine:
     def synchronize(self) -> None:
         """Wait for every copy issued so far (both directions)."""
         self.h2d.synchronize()
+        self.h2d_ahead.synchronize()
         self.d2h.synchronize()
 
     def close(self) -> None:

@@ -141,7 +141,9 @@ class SparsePolicy:
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
         return None
 
-    def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+    def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext, run=None, gather=None) -> RowFix | None:
+        """With `run` and `gather` (CUDA): run the choice as `run(work)` (on the copy stream, after the compute
+        issued so far) and fetch with `gather(fix)` there, returning None."""
         return None
 
     def fetched_rows(self) -> int:

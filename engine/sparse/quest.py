@@ -134,11 +134,13 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._all_pages, self._in_page = torch.arange(n, device=dev), torch.arange(ps, device=dev)
         self._in_block = torch.arange(ppb, device=dev)
         self._q: torch.Tensor | None = None                    # the observed query (static: graphs read it)
+        self._q_ahead: torch.Tensor | None = None              # a guessed one (its choice may run on another stream)
+        self._scratch_ahead = torch.zeros_like(self._scratch) if self.looks_ahead else None
         self._setup_for: tuple | None = None
         self._plan_for = [None, None]                          # the context each parity's sink/window rows are for
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._warm: set[tuple] = set()
-        self._pool = None
+        self._pool = self._pool_ahead = None                   # (graphs that may run at once share no pool)
         self._capture = layout.graphs and dev.type == "cuda" and not self.measure_recall   # recall reads the fix
 
     def whole_layers(self) -> tuple[int, ...]:
@@ -257,20 +259,26 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             self._fixed.append(layer)
         return RowFix(self._fix_rows, self._fix_dst) if fix else None
 
-    def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+    def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext, run=None, gather=None) -> RowFix | None:
         """A guess of `layer`'s query (q [Hq, D], made one layer early from the residual stream), where this step's
         plan for it is loaded or loading: the pages it chooses that the plan lacks, to fetch ahead of the layer
-        (on the copy stream); the layer's own query then corrects what is left (`observe_query`)."""
+        (on the copy stream); the layer's own query then corrects what is left (`observe_query`). CUDA: `run(work)`
+        runs the choice and `gather(fix)` (the fetch; gather.tag: what it writes) as one graph on the copy stream,
+        beside the compute stream's choice (own query, scratch and graph pool) -> None."""
         end = ctx.context_len
         if self._planned.get(layer) != end or layer not in self._chosen or not self.sparse(layer, end + 1):
             return None
-        self._begin(end, ctx)
-        if self._q is None:
-            self._q = torch.empty_like(q)
-        self._q.copy_(q)
-        self._run(layer, "ahead")
+        self._begin(end, ctx)                             # (on the compute stream: its choices read what it sets)
+        if self._q_ahead is None:
+            self._q_ahead = torch.empty_like(q)
+        fix = RowFix(self._ahead_rows[layer], self._ahead_dst[layer])
         self._ahead_at[layer] = end
-        return RowFix(self._ahead_rows[layer], self._ahead_dst[layer])
+        if run is None:
+            self._q_ahead.copy_(q)
+            self._run(layer, "ahead")
+            return fix
+        run(lambda: (self._q_ahead.copy_(q), self._run(layer, "ahead", lambda: gather(fix), gather.tag)))
+        return None
 
     def _layout_for(self, context_len: int) -> tuple[int, int, int]:
         """A step of context_len tokens -> its window (page aligned: R plus the tokens before it in its first page),
@@ -303,18 +311,24 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._n_rows.fill_(self.token_budget - tail)
         self._n_candidates = stop                             # the recorder's page count
 
-    def _run(self, layer: int, mode: str) -> None:
-        """The layer's selection: eager, or (CUDA graphs) captured on its second use and replayed after."""
-        key = (layer, mode)
+    def _run(self, layer: int, mode: str, then=None, tag=None) -> None:
+        """The layer's selection, then `then()` if given (tag names what it touches): eager, or (CUDA graphs)
+        captured on its second use and replayed after."""
+        key = (layer, mode, tag)
         graph = self._graphs.get(key)
         if graph is None and (not self._capture or key not in self._warm):
             self._warm.add(key)
-            return self._select(layer, mode)
+            self._select(layer, mode)
+            return then() if then is not None else None
         if graph is None:
+            ahead = mode == "ahead"
             graph = self._graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool_ahead if ahead else self._pool,
+                                  capture_error_mode="thread_local"):
                 self._select(layer, mode)
-            self._pool = graph.pool()
+                if then is not None:
+                    then()
+            setattr(self, "_pool_ahead" if ahead else "_pool", graph.pool())
         graph.replay()
 
     def _select(self, layer: int, mode: str) -> None:
@@ -322,13 +336,13 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         "choose": that is the layer's choice; "fix": also correct the loaded slots toward it (rows to _fix_rows);
         "ahead": a guessed query's choice, only corrects the slots (rows to the layer's _ahead_rows). Static
         shapes, no host sync."""
-        b = self.bounds(layer, self._q, self._page_ids, self._valid)
         ahead = mode == "ahead"
+        b = self.bounds(layer, self._q_ahead if ahead else self._q, self._page_ids, self._valid)
         pages = self._guess if ahead else self._pages[layer]
         scores = self._guess_scores if ahead else self._scores[layer]
         kept = self._guess_kept if ahead else self._kept[layer]
-        choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch, pages, scores, kept,
-               self._kernels)
+        choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch_ahead if ahead else
+               self._scratch, pages, scores, kept, self._kernels)
         if mode != "choose":
             rows, dst = (self._ahead_rows[layer], self._ahead_dst[layer]) if ahead else (self._fix_rows, self._fix_dst)
             correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows, dst,

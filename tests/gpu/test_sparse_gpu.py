@@ -122,11 +122,13 @@ def test_quest_recall_on_gpu():
 @pytest.mark.parametrize("mode", ["layerwise", "chunked"])
 @pytest.mark.parametrize("policy,params", [
     ("full", {}), ("quest", {"token_budget": 512, "page_size": 32, "min_context": 0, "min_layer_mb": 0, "rank": 0}),
-    ("quest", {"token_budget": 512, "min_context": 0, "min_layer_mb": 0})])
+    ("quest", {"token_budget": 512, "min_context": 0, "min_layer_mb": 0}),
+    ("quest", {"token_budget": 512, "min_context": 0, "min_layer_mb": 0, "look_ahead": True})])
 def test_decode_graphs_answer_like_eager(policy, params, mode):
     """Each decode layer replayed as CUDA graphs gives the tokens the eager layers give (fp32), in both offload
     modes; with Quest (bounds or the default low-rank score) the layers choose pages and their graphs record the
-    correction's gather."""
+    correction's gather; with look_ahead (layerwise) the guess's choice and fetch run on the copy stream, one
+    graph per layer and buffer there."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     outs = []
     for eager in (True, False):
@@ -137,7 +139,9 @@ def test_decode_graphs_answer_like_eager(policy, params, mode):
         graphs = llm.runner.decode_graphs
         assert (graphs is None) == eager and (eager or len(graphs.graphs) >= 36)
         if policy == "quest":
-            assert out.stats.policy_stats["sparse"] and out.stats.policy_stats["fetched_pages_per_step"] > 0
+            st = out.stats.policy_stats
+            assert st["sparse"] and st["fetched_pages_per_step"] > 0
+            assert (st["fetched_ahead_pages_per_step"] > 0) == (params.get("look_ahead", False) and mode == "layerwise")
         llm.close()
         del llm
         torch.cuda.empty_cache()
