@@ -190,8 +190,8 @@ if triton is not None:
     def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, tq, offset, n_vert, n_grp, cov_len, qk_scale,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-        m, h = tl.program_id(0), tl.program_id(1)
-        n_mb = tl.num_programs(0)
+        h, n_mb = tl.program_id(0), tl.num_programs(1)
+        m = n_mb - 1 - tl.program_id(1)                                       # the longest rows first
         rows = m * BM + tl.arange(0, BM)
         row_ok = rows < tq
         pos = offset + rows
@@ -209,15 +209,17 @@ if triton is not None:
         for gi in range(0, tl.load(GCNT + h * n_mb + m)):                   # slash runs, contiguous tiles
             lo = tl.load(DLO + h * n_grp + gi)
             hi = tl.load(DHI + h * n_grp + gi)
+            start = tl.maximum(m0 - hi, 0)
             end = tl.minimum(m0 - lo + BM, offset + tq)                     # never past the last key
-            for n in range(tl.maximum(m0 - hi, 0), end, BN):
+            split = start + tl.maximum(tl.minimum(end, m0 + 1) - start, 0) // BN * BN * full_rows.to(tl.int32)
+            for n in range(start, split, BN):                               # inside the run, before every row
+                cols = n + tl.arange(0, BN)                                 # (no masks: a loop Triton pipelines)
+                acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos,
+                                               row_ok, sk_t, sv_t, offs_d, qk_scale, False)
+            for n in range(split, end, BN):                                 # the run's end, the diagonal
                 cols = n + tl.arange(0, BN)
-                if full_rows & (n + BN <= end) & (n + BN <= m0 + 1):         # inside the run, before every row
-                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos,
-                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, False)
-                else:
-                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos,
-                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, True)
+                acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < end, pos,
+                                               row_ok, sk_t, sv_t, offs_d, qk_scale, True)
         n_v = tl.load(VCNT + h * n_mb + m)
         for j in range(0, n_v, BN):                                           # vertical columns no run covers
             idx = j + tl.arange(0, BN)
@@ -229,11 +231,14 @@ if triton is not None:
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
     @triton.jit
-    def _bs_kernel(Q, K, V, O, IDX, CNT, PAIRS, tq, tk, offset, max_k, qk_scale,
+    def _bs_kernel(Q, K, V, O, IDX, CNT, FULL, PAIRS, tq, tk, offset, max_k, qk_scale,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-        m, h = tl.program_id(0), tl.program_id(1)
-        n_mb = tl.num_programs(0)
+        """One query block of one head. Its kept key blocks, ascending: the first FULL lie before every row of the
+        block (one flat loop of unmasked tiles, which Triton pipelines), the rest (the diagonal) masked. Programs
+        run the longest rows first (grid: heads, then query blocks from the last)."""
+        h, n_mb = tl.program_id(0), tl.num_programs(1)
+        m = n_mb - 1 - tl.program_id(1)
         rows = m * B + tl.arange(0, B)
         row_ok = rows < tq
         pos = offset + rows
@@ -246,19 +251,21 @@ if triton is not None:
         m_i = tl.full((B,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((B,), dtype=tl.float32)
         n_pairs = tl.sum(tl.zeros((B,), dtype=tl.int32))
-        full_rows = m * B + B <= tq
-        base = (h * n_mb + m).to(tl.int64) * max_k
-        for j in range(0, tl.load(CNT + h * n_mb + m)):
-            kb = tl.load(IDX + base + j)
-            for n in range(0, B, BN):
-                cols = kb * B + n + tl.arange(0, BN)
-                if full_rows & (kb * B + n + BN <= offset + m * B + 1):      # every key before every row
-                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos,
-                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, False)
-                else:
-                    acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos,
-                                                   row_ok, sk_t, sv_t, offs_d, qk_scale, True)
-        _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
+        at = h * n_mb + m
+        base = at.to(tl.int64) * max_k
+        TPB: tl.constexpr = B // BN                                        # tiles per key block
+        n_full = tl.load(FULL + at) * TPB
+        for t in range(0, n_full):                                         # before every row: no masks
+            kb = tl.load(IDX + base + t // TPB)
+            cols = tl.multiple_of(kb * B + (t % TPB) * BN, BN) + tl.arange(0, BN)
+            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos, row_ok,
+                                           sk_t, sv_t, offs_d, qk_scale, False)
+        for t in range(n_full, tl.load(CNT + at) * TPB):                   # the diagonal (and a ragged last block)
+            kb = tl.load(IDX + base + t // TPB)
+            cols = kb * B + (t % TPB) * BN + tl.arange(0, BN)
+            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, k_ptr, v_ptr, cols, cols < tk, pos, row_ok,
+                                           sk_t, sv_t, offs_d, qk_scale, True)
+        _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, at, so_t, so_h, offs_d)
 
 
 def _check(q, k, v):
@@ -268,13 +275,15 @@ def _check(q, k, v):
 
 
 def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int = 2):
-    """Tiles measured best on the H100 (tools/tune_sparse.py): pattern block 128 with BN 128 and 8 warps at
-    head_dim 128 (0.49x dense SDPA's pace per pair), BN 64 and 4 warps at 64 (0.52x); block 64: BN 64, 4 warps."""
+                          num_warps: int | None = None, num_stages: int | None = None):
+    """Tiles measured best (tools/tune_sparse.py): pattern block 128 at head_dim 128 BN 128, 8 warps, 3 stages
+    (H200: 0.55-0.59x dense SDPA's pace per pair at 128K and densities 0.11-0.44; 2 stages 0.50); BN 64 and 4
+    warps at head_dim 64 (H100: 0.52x); block 64: BN 64, 4 warps."""
     _check(q, k, v)
     (tq, hq, d), tk, bm = q.shape, k.shape[0], pat.block
     wide = bm >= 128 and d >= 128
     block_n, num_warps = block_n or (128 if wide else 64), num_warps or (8 if wide else 4)
+    num_stages = num_stages or (3 if wide else 2)
     off, n_mb = tk - tq, -(-tq // bm)
     d_lo, d_hi = pat.groups()
     if d_lo.shape[1] == 0:
@@ -287,26 +296,37 @@ def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: in
     o = torch.empty_like(q)
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
     vert = pat.vertical.int().contiguous()
-    _vs_kernel[(n_mb, hq)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, tq, off, vert.shape[1],
+    _vs_kernel[(hq, n_mb)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, tq, off, vert.shape[1],
                            d_lo.shape[1], cov.shape[1], scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0),
                            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                            G=hq // k.shape[1], BM=bm, BN=block_n, D=d, num_warps=num_warps, num_stages=num_stages)
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 
-def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float, block_n: int = 64,
-                        num_warps: int | None = None, num_stages: int = 2):
+def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float, block_n: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None):
+    """Tiles measured best (tools/tune_sparse.py, H200, head_dim 128, block 128): BN 128, 8 warps, 3 stages
+    (pace 0.48-0.72 at 128K over densities 0.016-1; BN 64, 4 warps, 2 stages within ~5% of it, and 10% faster at
+    32K near density 1); blocks of 64: BN 64, 4 warps, 2 stages."""
     _check(q, k, v)
     (tq, hq, d), tk = q.shape, k.shape[0]
+    n_mb = blocks.shape[1]
     cnt, idx = kept_first(blocks)
     max_k = idx.shape[-1]
+    first = (tk - tq) + torch.arange(n_mb, device=q.device, dtype=torch.int32) * block   # each block's first row
+    before = idx < ((first + 1) // block)[None, :, None]                # key block ends before that row
+    full = (before & (torch.arange(max_k, device=q.device) < cnt[..., None])).sum(-1, dtype=torch.int32)
+    if tq % block:
+        full[:, -1] = 0                                                  # ragged last rows: all tiles masked
     o = torch.empty_like(q)
-    pairs = torch.empty(hq, blocks.shape[1], dtype=torch.int32, device=q.device)
-    _bs_kernel[(blocks.shape[1], hq)](q, k, v, o, idx, cnt.contiguous(), pairs, tq, tk, tk - tq, max_k,
-                                      scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                      v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-                                      G=hq // k.shape[1], B=block, BN=min(block_n, block), D=d,
-                                      num_warps=num_warps or (4 if block <= 64 else 8), num_stages=num_stages)
+    pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
+    wide = block >= 128
+    bn = min(block_n or (128 if wide else 64), block)
+    _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt.contiguous(), full.contiguous(), pairs, tq, tk, tk - tq, max_k,
+                           scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                           v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+                           G=hq // k.shape[1], B=block, BN=bn, D=d, num_warps=num_warps or (8 if wide else 4),
+                           num_stages=num_stages or (3 if wide else 2))
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 

@@ -121,17 +121,21 @@ def test_vertical_slash_triton_equals_reference(dtype, tq, tk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_block_sparse_triton_equals_reference(dtype):
+@pytest.mark.parametrize("tq,tk,b,bn", [(45, 77, 16, 16), (64, 96, 32, 16), (96, 96, 32, 32)])
+def test_block_sparse_triton_equals_reference(dtype, tq, tk, b, bn):
+    """Ragged last query and key blocks, a block in two tiles, whole blocks before every row (unmasked) and the
+    diagonal (masked), a query block with no kept key block."""
     pytest.importorskip("triton")
     from engine.ops.sparse_prefill import block_sparse_triton
-    tq, tk, b = 45, 77, 16
     q, k, v = (x.to(DEV, dtype) for x in inputs(tq, tk))
     g = torch.Generator().manual_seed(4)
-    blocks = torch.rand(4, 3, 5, generator=g) < 0.4
-    blocks[:, torch.arange(3), torch.arange(3) + 2] = True
+    nq, nk = -(-tq // b), -(-tk // b)
+    blocks = torch.rand(4, nq, nk, generator=g) < 0.4
+    blocks[:, torch.arange(nq), torch.arange(nq) + (nk - nq)] = True
+    blocks[1, 0] = False
     blocks = blocks.to(DEV)
     want, want_pairs = block_sparse_reference(q, k, v, blocks, b, 0.25)
-    got, pairs = block_sparse_triton(q, k, v, blocks, b, 0.25, block_n=16)
+    got, pairs = block_sparse_triton(q, k, v, blocks, b, 0.25, block_n=bn)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     assert pairs.cpu().tolist() == want_pairs.tolist()
