@@ -242,5 +242,6 @@ class TransformersOffloaded(Transformers):
 
 
 def _label(base: str, policy: str, params: dict | None) -> str:
-    """A column name: mode+policy, with the parameters' values when given (two budgets of one policy differ)."""
-    return f"{base}+{policy}" + (f"({','.join(str(v) for v in params.values())})" if params else "")
+    """A column name: mode+policy, with the parameters when given (two budgets of one policy differ; so do two
+    policies whose values are the same but whose keys are not)."""
+    return f"{base}+{policy}" + (f"({','.join(f'{k}={v}' for k, v in params.items())})" if params else "")

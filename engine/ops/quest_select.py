@@ -114,12 +114,20 @@ if triton is not None:
         tl.store(out_scores + h * s_oh + (k - 1) + p * 0, v - 1.0, mask=last)
 
     @triton.jit
-    def _correct_kernel(new, slots, page_ids, base, n_rows, rows, dst, count, k, s_nh, s_sh, s_rh, s_dh,
-                        KP: tl.constexpr, PS: tl.constexpr, PSP: tl.constexpr):
+    def _correct_kernel(new, slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col, k, s_nh, s_sh,
+                        s_rh, s_dh, s_pp, s_ph, KP: tl.constexpr, PS: tl.constexpr, PSP: tl.constexpr,
+                        PLAN: tl.constexpr):
         h = tl.program_id(0)
         i = tl.arange(0, KP)
         inside = i < k
         nw = tl.load(new + h * s_nh + i, mask=inside, other=-3).to(tl.int32)
+        t = tl.arange(0, PSP)
+        at = i[:, None] * PS + t[None, :]
+        m2 = inside[:, None] & (t[None, :] < PS)
+        if PLAN:                                                # every chosen page's rows, for the next step's plan
+            every = tl.load(page_ids + nw, mask=inside, other=0).to(tl.int64)
+            to_plan = plan + tl.load(plan_par) * s_pp + h * s_ph + tl.load(plan_col)
+            tl.store(to_plan + at, every[:, None] * PS + t[None, :], mask=m2)
         old = tl.load(slots + h * s_sh + i, mask=inside, other=-4).to(tl.int32)
         low = tl.sum(tl.where(i == k - 1, nw, 0), 0)           # new's last page
         eq = nw[:, None] == old[None, :]                        # [new i, slot j]
@@ -134,13 +142,10 @@ if triton is not None:
         slot = tl.sum(tl.where(match, i[None, :], 0), 1)        # [new i]
         filled = tl.sum(tl.where(match, nw[:, None], 0), 0)     # [slot j]
         tl.store(slots + h * s_sh + i, tl.where(free, filled, old).to(tl.int64), mask=inside)
-        t = tl.arange(0, PSP)
         pid = tl.load(page_ids + nw, mask=miss, other=0).to(tl.int64)
         to = tl.load(base) + slot[:, None] * PS + t[None, :]
         src = pid[:, None] * PS + t[None, :]
         go = miss[:, None] & (t[None, :] < PS) & (to < tl.load(n_rows))
-        at = i[:, None] * PS + t[None, :]
-        m2 = inside[:, None] & (t[None, :] < PS)
         tl.store(rows + h * s_rh + at, tl.where(go, src, -1), mask=m2)
         tl.store(dst + h * s_dh + at, to, mask=m2)
         tl.atomic_add(count, tl.sum(tl.sum(go.to(tl.int32), 1), 0).to(tl.int64))
@@ -165,14 +170,20 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,
-            count: torch.Tensor, kernel: bool = True) -> None:
+            count: torch.Tensor, kernel: bool = True, plan=None) -> bool:
     """Into rows, dst [Hkv, k * page_size], slots updated, count (int64 [1]) += rows fetched; base and n_rows are
-    device scalars (int64). The kernel where `kernel` and Triton is there, else the torch version."""
+    device scalars (int64). The kernel where `kernel` and Triton is there, else the torch version. plan: (rows
+    [2, Hkv, W], parity, column), the last two device scalars: the kernel also writes every page of `new` as rows
+    (page_ids[page] * page_size + t) at plan[parity, h, column:] (the next step's plan; no small torch ops
+    between the choice and the correction's gather). -> whether it did."""
     if not kernel or triton is None:
         r, d, c = correct_reference(new, slots, page_ids, base, n_rows, page_size)
         rows.copy_(r), dst.copy_(d), count.add_(c)
-        return
+        return False
     hkv, k = new.shape
-    _correct_kernel[(hkv,)](new, slots, page_ids, base, n_rows, rows, dst, count, k, new.stride(0), slots.stride(0),
-                            rows.stride(0), dst.stride(0), KP=triton.next_power_of_2(k), PS=page_size,
-                            PSP=triton.next_power_of_2(page_size), num_warps=8)
+    p, par, col = plan if plan is not None else (rows, base, base)
+    _correct_kernel[(hkv,)](new, slots, page_ids, base, n_rows, rows, dst, count, p, par, col, k, new.stride(0),
+                            slots.stride(0), rows.stride(0), dst.stride(0), p.stride(0), p.stride(1),
+                            KP=triton.next_power_of_2(k), PS=page_size, PSP=triton.next_power_of_2(page_size),
+                            PLAN=plan is not None, num_warps=8)
+    return plan is not None

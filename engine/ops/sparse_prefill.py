@@ -307,7 +307,7 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
                         num_warps: int | None = None, num_stages: int | None = None):
     """Tiles measured best (tools/tune_sparse.py, H200, head_dim 128, block 128): BN 128, 8 warps, 3 stages
     (pace 0.48-0.72 at 128K over densities 0.016-1; BN 64, 4 warps, 2 stages within ~5% of it, and 10% faster at
-    32K near density 1); blocks of 64: BN 64, 4 warps, 2 stages."""
+    32K near density 1); otherwise as before (H100): BN 64, 2 stages, 8 warps for blocks of 128, else 4."""
     _check(q, k, v)
     (tq, hq, d), tk = q.shape, k.shape[0]
     n_mb = blocks.shape[1]
@@ -320,13 +320,13 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
         full[:, -1] = 0                                                  # ragged last rows: all tiles masked
     o = torch.empty_like(q)
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
-    wide = block >= 128
+    wide = block >= 128 and d >= 128
     bn = min(block_n or (128 if wide else 64), block)
     _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt.contiguous(), full.contiguous(), pairs, tq, tk, tk - tq, max_k,
                            scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                            v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-                           G=hq // k.shape[1], B=block, BN=bn, D=d, num_warps=num_warps or (8 if wide else 4),
-                           num_stages=num_stages or (3 if wide else 2))
+                           G=hq // k.shape[1], B=block, BN=bn, D=d,
+                           num_warps=num_warps or (8 if block >= 128 else 4), num_stages=num_stages or (3 if wide else 2))
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 

@@ -343,11 +343,13 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         kept = self._guess_kept if ahead else self._kept[layer]
         choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch_ahead if ahead else
                self._scratch, pages, scores, kept, self._kernels)
+        planned = False                                 # (the kernel writes the next plan's rows with the fix)
         if mode != "choose":
             rows, dst = (self._ahead_rows[layer], self._ahead_dst[layer]) if ahead else (self._fix_rows, self._fix_dst)
-            correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows, dst,
-                    self._fetched[int(ahead), layer:layer + 1], self._kernels)
-        if not ahead:
+            planned = correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows,
+                              dst, self._fetched[int(ahead), layer:layer + 1], self._kernels,
+                              None if ahead else (self._plan[:, layer], self._next, self._cols))
+        if not ahead and not planned:
             self._write_pages(layer, pages, self._next)
 
     def _write_pages(self, layer: int, pages: torch.Tensor, parity: torch.Tensor) -> None:

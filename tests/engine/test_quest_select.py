@@ -69,8 +69,14 @@ def test_correction_kernel_equals_reference(case):
     rows = torch.empty(hkv, k * ps, dtype=torch.long, device=DEV)
     dst = torch.empty_like(rows)
     count = torch.zeros(1, dtype=torch.long, device=DEV)
-    correct(new, got_slots, page_ids, base, n_rows, ps, rows, dst, count)
+    plan = torch.full((2, hkv, 40), -7, dtype=torch.long, device=DEV)   # the next step's plan: parity 1, column 5
+    par, col = torch.tensor([1], device=DEV), torch.arange(5, 5 + k * ps, device=DEV)
+    wrote = correct(new, got_slots, page_ids, base, n_rows, ps, rows, dst, count, plan=(plan, par, col))
     assert torch.equal(got_slots, want_slots) and count.item() == w_count.item()
+    assert wrote                                                         # the kernel wrote the chosen pages' rows
+    every = (page_ids[new][:, :, None] * ps + torch.arange(ps, device=DEV)).flatten(1)
+    assert torch.equal(plan[1, :, 5:5 + k * ps], every)
+    assert (plan[0] == -7).all() and (plan[1, :, :5] == -7).all() and (plan[1, :, 5 + k * ps:] == -7).all()
     assert _pairs(rows, dst) == _pairs(w_rows, w_dst)
     for h in range(hkv):                                                 # the slots then hold the choice,
         assert set(want_slots[h].tolist()) == set(new[h].tolist())       # its lowest-scored page in the last
