@@ -186,7 +186,8 @@ if triton is not None:
                  mask=row_ok[:, None])
         tl.store(PAIRS + program, n_pairs)
 
-    @triton.jit
+    # (prompt sizes, not specialized on: a new prompt length must not compile another kernel in the user's turn)
+    @triton.jit(do_not_specialize=["tq", "offset", "n_vert", "n_grp", "cov_len"])
     def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, tq, offset, n_vert, n_grp, cov_len, qk_scale,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
@@ -230,7 +231,7 @@ if triton is not None:
                                            sk_t, sv_t, offs_d, qk_scale, True)
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tq", "tk", "offset", "max_k"])
     def _bs_kernel(Q, K, V, O, IDX, CNT, FULL, PAIRS, tq, tk, offset, max_k, qk_scale,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
