@@ -81,6 +81,7 @@ class OffloadEngine:
         n = len(self.buffers)
         self.loaded: list = [None] * n     # the buffer's last load
         self._ahead: dict = {}             # buffer -> a deferred `ahead` (CUDA): waited for before the choice
+                                           # (or by the buffer's next load, if a stopped step left it)
         self.free: list = [None] * n       # compute done with the buffer
         self.read: list = [None] * n       # the buffer's last offload (it reads the buffer)
         self.held: list[dict] = [{} for _ in range(n)]  # position -> (layer, host block, version) it holds
@@ -178,7 +179,7 @@ class OffloadEngine:
                 rec.slot_state(slot, layer, LOADING, first * self.block_size, cap)
                 ready = lambda: rec.slot_state(slot, layer, READY, tokens, cap)  # noqa: E731 - on the copy thread
         self.loaded[buf] = self.h2d.copy(pairs, (self.free[buf], self.read[buf], self.loaded[buf],
-                                                 self.layer_written[layer]),
+                                                 self.layer_written[layer], self._ahead.pop(buf, None)),
                                          recorder=rec, name=f"load L{layer}", layer=layer, slot=slot, nbytes=nbytes,
                                          on_done=ready, compute=self.compute, blocks=len(need), copies=len(pairs),
                                          **trace)
@@ -208,7 +209,7 @@ class OffloadEngine:
         slot = buf if buf < self.ring_slots else None
         self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows),
                                         (self.free[buf], self.read[buf], self.loaded[buf], self.layer_written[layer],
-                                         compute_done(self.device, self.compute)),
+                                         compute_done(self.device, self.compute), self._ahead.pop(buf, None)),
                                         recorder=self.recorder, name=f"load L{layer} rows", layer=layer, slot=slot,
                                         nbytes=nbytes, compute=self.compute, tokens=n, **trace)
         self.bytes_h2d += nbytes

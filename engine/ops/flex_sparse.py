@@ -1,10 +1,10 @@
-"""Block-sparse prefill attention through FlexAttention (torch >= 2.5, CUDA): XAttention's kernel on the GPU.
+"""Block-sparse prefill attention through FlexAttention (torch >= 2.5, CUDA), timed beside our Triton kernel.
 
-Measured on the H100 (one layer of Qwen3-4B's shape, bf16, density 0.07): FlexAttention's compiled kernel
-processes each computed pair at 0.45x (32K) and 0.65-0.71x (128K) the pace of dense SDPA, against 0.35x and 0.49x
-for our own Triton block-sparse kernel (engine/ops/sparse_prefill.py), which stays the fallback where
-FlexAttention is missing or fails to compile. It is compiled once per process with dynamic shapes (~3 s; a new
-prompt length then costs nothing).
+`python -m bench --kernels` puts it beside engine/ops/sparse_prefill.py's block-sparse kernel. It was XAttention's
+kernel on the GPU while ours was slower (H100, density 0.07: 0.45x / 0.65-0.71x dense SDPA's pace at 32K / 128K
+against 0.35x / 0.49x); ours now matches or beats it below density ~0.15 and runs without its ~3 s compile per
+process (compiled once with dynamic shapes), so XAttention runs ours. `block_pairs` (the pairs a block table
+computes) is used by both.
 
 Our table `blocks` [Hq, nQB, nKB] (query block m: q rows [m*B, (m+1)*B); key block n: keys [n*B, (n+1)*B))
 becomes a BlockMask of B x B blocks: the kept key blocks wholly before a query block's first row are "full"
@@ -14,7 +14,6 @@ Tk - Tq + i). The pairs computed per head are counted from the table, exactly.
 from __future__ import annotations
 
 import inspect
-import sys
 
 import torch
 
@@ -25,7 +24,7 @@ _FORWARD_ONLY = False     # BlockMask.from_kv_blocks takes compute_q_blocks (tor
 
 
 def available(q: torch.Tensor) -> bool:
-    """FlexAttention can run here (CUDA, torch with flex_attention); the first failure turns it off."""
+    """FlexAttention can run here (CUDA, torch with flex_attention)."""
     global _compiled, _FORWARD_ONLY
     if _compiled is None:
         try:
@@ -35,13 +34,6 @@ def available(q: torch.Tensor) -> bool:
         except Exception:  # noqa: BLE001 - an older torch: the Triton kernel runs instead
             _compiled = False
     return bool(_compiled) and q.is_cuda
-
-
-def disable(error: Exception) -> None:
-    global _compiled
-    _compiled = False
-    print(f"kvscope: FlexAttention failed ({type(error).__name__}: {str(error)[:200]}); block-sparse prefill runs "
-          "on the Triton kernel", file=sys.stderr)
 
 
 def _indices(keep: torch.Tensor):

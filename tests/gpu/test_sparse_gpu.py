@@ -43,15 +43,19 @@ def test_block_sparse_kernel_at_qwen3_shape(tq, tk):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tq,tk,d", [(4096, 4096, 128), (3000, 4133, 128), (4000, 4000, 64)])
-def test_block_sparse_dispatch_flex_at_real_shapes(tq, tk, d, dtype):
-    """What XAttention runs on CUDA (FlexAttention, else Triton) equals the masked reference, pairs included."""
+def test_block_sparse_dispatch_and_flex_at_real_shapes(tq, tk, d, dtype):
+    """What XAttention runs on CUDA (our Triton kernel), and FlexAttention's kernel the bench times beside it,
+    equal the masked reference, pairs included."""
+    from engine.ops import flex_sparse
     from engine.ops.sparse_prefill import block_sparse_attention
     q, k, v = _qkv(tq, tk, d=d, dtype=dtype)
     blocks = XAttentionPolicy(threshold=0.5, stride=16, block=128, min_len=1).estimate(q, k, d ** -0.5)
-    got, pairs = block_sparse_attention(q, k, v, blocks, 128, d ** -0.5)
     want, want_pairs = block_sparse_reference(q, k, v, blocks, 128, d ** -0.5)
-    assert (got.float() - want.float()).abs().max() < 2e-2
-    assert pairs.cpu().tolist() == want_pairs.tolist()
+    runs = [block_sparse_attention] + ([flex_sparse.block_sparse_flex] if flex_sparse.available(q) else [])
+    for run in runs:
+        got, pairs = run(q, k, v, blocks, 128, d ** -0.5)
+        assert (got.float() - want.float()).abs().max() < 2e-2
+        assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
 def test_a_dense_pattern_runs_dense_on_the_gpu_and_says_why():
