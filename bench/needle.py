@@ -5,7 +5,11 @@
 
 A haystack of plain filler sentences (seeded, so every run is the same) gets one needle at a relative depth:
 a number, a name or a place, each with its question. The engine answers greedily; a hit is an answer that
-contains the needle's value. The grid prints length x depth with hits per needle kind, one grid per policy.
+contains the needle's value. The grid prints length x depth with hits per needle kind, one grid per policy,
+and the cells where the answer hung on a near-tie: a token of the answer's first LEAD_TOKENS whose top logit led
+the runner-up by less than NEAR_TIE. There greedy decoding is a coin toss that any change to the attention may
+turn (on the default model, Full's 7000-token 90% name cell: " name" led " arch" by 0.19), so a sparse policy's
+miss there says little about its choice of keys.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 
+LEAD_TOKENS, NEAR_TIE = 8, 0.5
 NEEDLES = {
     "number": ("The access code for the north gate of the observatory is 4817.",
                "What is the access code for the north gate of the observatory?", "4817"),
@@ -61,6 +66,7 @@ class Cell:
     answer: str
     recall: dict | None = None     # Quest with recall on: mean, lowest head, per layer (over the answer's steps)
     density: tuple | None = None   # prefill policies: (density over the sparse layers, sparse layers)
+    lead: float | None = None      # the smallest top-logit lead over the runner-up in the answer's first LEAD_TOKENS
 
 
 def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds: list[str],
@@ -71,13 +77,13 @@ def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds
         for d in depths:
             for kind in kinds:
                 ids, _ = needle_document(llm, n, d, kind)
-                out = llm.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
+                out = llm.generate([ids], SamplingParams(max_tokens=max_new_tokens, leads=True))[0]
                 st = out.stats.policy_stats
                 recall = ({"mean": st["recall"], "min_head": st["recall_min_head"],
                            "per_layer": st["recall_per_layer"]} if "recall" in st else None)
                 density = (st["density"], st["sparse_layers"]) if "sparse_layers" in st else None
                 cells.append(Cell(policy, n, d, kind, len(ids), NEEDLES[kind][2].lower() in out.text.lower(),
-                                  out.text.strip(), recall, density))
+                                  out.text.strip(), recall, density, min(out.leads[:LEAD_TOKENS], default=None)))
     return cells
 
 
@@ -90,6 +96,11 @@ def grid(cells: list[Cell], lengths: list[int], depths: list[float], kinds: list
             row.append(f"{sum(c.hit for c in hits)}/{len(hits)} " + "".join("x" if c.hit else "." for c in hits))
         lines.append(f"{n:>8} " + "".join(f"{r:>14}" for r in row))
     lines.append(f"(hits of {', '.join(kinds)} per cell; x = found, . = missed)")
+    near = sorted((c for c in cells if c.lead is not None and c.lead < NEAR_TIE), key=lambda c: c.lead)
+    if near:                  # where greedy decoding itself hung on a near-tie, any change to attention may flip it
+        lines.append(f"near-ties (a top-logit lead under {NEAR_TIE} in the answer's first {LEAD_TOKENS} tokens): "
+                     + ", ".join(f"{c.length}/{c.depth:.0%} {c.kind} {c.lead:.2f} ({'x' if c.hit else '.'})"
+                                 for c in near))
     return "\n".join(lines)
 
 

@@ -284,6 +284,8 @@ class LLM:
                 tier.write_back(s)
         self.scheduler.postprocess(seqs, tokens)
         for s in seqs:
+            if s.params.leads:
+                s.record_lead(self.runner.sampler.leads[s.seq_id])
             if s.is_finished:
                 self.runner.sampler.forget(s.seq_id)
                 if tier is not None:
@@ -331,8 +333,8 @@ class LLM:
         if self._recorder.enabled:
             self._recorder.flush()
         figures = self.runner.policy.stats()
-        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, request_stats(s, figures))
-                for s in seqs]
+        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, request_stats(s, figures),
+                           s.leads) for s in seqs]
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
                progress: Progress | None = None) -> Iterator[StreamChunk]:

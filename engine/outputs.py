@@ -37,6 +37,7 @@ class Completion:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    leads: list[float] = field(default_factory=list)   # per answer token, with SamplingParams(leads=True)
 
 
 class Detokenizer:

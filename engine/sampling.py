@@ -14,6 +14,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None     # per-request generator; None = nondeterministic
     ignore_eos: bool = False
+    leads: bool = False         # record each token's top logit lead over the runner-up (Completion.leads)
 
     def __post_init__(self):
         if not (self.temperature >= 0.0) or self.temperature > 100:

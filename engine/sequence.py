@@ -35,6 +35,7 @@ class Sequence:
         self.t_prefill_start: float | None = None
         self.bytes_h2d = 0                  # KV bytes this request moved host -> device (offload modes)
         self.bytes_d2h = 0
+        self.leads: list[float] = []        # per answer token, when params.leads: top logit - the second
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,3 +69,7 @@ class Sequence:
             self.t_first_token = now
         self.t_last_token = now
         self.token_ids.append(token_id)
+
+    def record_lead(self, lead: float) -> None:
+        """The new token's top logit lead over the runner-up (SamplingParams.leads)."""
+        self.leads.append(lead)

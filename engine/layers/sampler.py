@@ -14,12 +14,16 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
-
+        self.leads: dict[int, float] = {}   # the last call's rows that asked (`leads`): top logit - the second
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """logits [B, V] (any float dtype) -> one token id per row."""
+        want = [i for i, p in enumerate(params) if p.leads]
+        if want:            # how sure the model was: small leads are near-ties that any change may flip
+            top = logits[want].float().topk(2, dim=-1).values
+            self.leads = dict(zip([seq_ids[i] for i in want], (top[:, 0] - top[:, 1]).tolist()))
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
         tokens = []

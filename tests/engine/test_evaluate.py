@@ -22,8 +22,19 @@ def test_needle_documents_have_the_length_and_the_depth(llm, depth):
 
 def test_the_default_model_finds_a_number_and_the_grid_says_so(llm):
     cells = run_needles(llm, "full", [1024], [0.5], ["number"])
-    assert cells[0].hit and "4817" in cells[0].answer
+    assert cells[0].hit and "4817" in cells[0].answer and cells[0].lead > 0
     assert "1/1 x" in grid(cells, [1024], [0.5], ["number"])
+
+
+def test_the_grid_names_the_cells_that_hung_on_a_near_tie():
+    from bench.needle import NEAR_TIE, Cell
+    cells = [Cell("full", 7000, 0.9, "name", 6990, False, "The architect", lead=0.19),
+             Cell("full", 7000, 0.9, "number", 6990, True, "4817", lead=NEAR_TIE + 3),
+             Cell("full", 2048, 0.9, "name", 2040, True, "Ingrid Solberg", lead=0.31)]
+    text = grid(cells, [2048, 7000], [0.9], ["number", "name"])
+    near = text.splitlines()[-1]
+    assert near.startswith("near-ties") and "7000/90% name 0.19 (.)" in near and "2048/90% name 0.31 (x)" in near
+    assert "number" not in near and near.index("0.19") < near.index("0.31")
 
 
 def test_command_line_writes_every_cell(tmp_path, capsys, default_model_dir):

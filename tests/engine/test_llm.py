@@ -17,15 +17,20 @@ def chat_prompt(llm, question: str, words: int) -> list[int]:
 
 
 def test_greedy_output_equals_transformers_token_for_token(llm, default_model_dir):
+    """Tokens, and each token's top-logit lead over the runner-up (`leads`), as transformers computes them."""
     from transformers import LlamaForCausalLM
     # a question with a long answer, so neither side stops at EOS before 32 tokens
     ids = chat_prompt(llm, "Write a long, detailed summary of this document, section by section.", 250)
     assert 300 < len(ids) < 600
-    ours = llm.generate([ids], SamplingParams(max_tokens=32))[0].token_ids
+    got = llm.generate([ids], SamplingParams(max_tokens=32, leads=True))[0]
     ref = LlamaForCausalLM.from_pretrained(str(default_model_dir), local_files_only=True, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-    assert len(ours) == 32 and ours == out[0, len(ids):].tolist()
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+    assert len(got.token_ids) == 32 and got.token_ids == out.sequences[0, len(ids):].tolist()
+    top = torch.stack(out.logits)[:, 0].float().topk(2, dim=-1).values
+    assert len(got.leads) == 32 and min(got.leads) >= 0
+    assert torch.allclose(torch.tensor(got.leads), top[:, 0] - top[:, 1], atol=2e-3)
 
 
 def test_the_default_model_answers_sensibly(llm):
