@@ -26,17 +26,16 @@ the buffer lacks are fetched in place of the ones it dropped (a `RowFix`), so at
 query's choice; that choice is the next step's speculation. Where a choice kept less than half of the previous
 one (random weights: ~10% at 128K), the next plan leaves the speculation out (it would only move bytes twice)
 and the correction fetches every page. With `look_ahead` (layerwise), `observe_ahead` also sees a guess of the
-layer's query made one layer early and fetches what that guess chooses on the copy stream before the layer runs.
-The slots of a buffer (which page each packed place holds) are tracked on the device; the last slot, cut short
-by the window, always holds the lowest-scored chosen page, so what is attended never depends on what was loaded.
+layer's query made one layer early and fetches what that guess chooses before the layer runs. A buffer's slots
+(the page each packed place holds) are tracked on the device; the last slot, cut short by the window, always
+holds the lowest-scored chosen page, so what is attended never depends on what was loaded.
 
-The decode work has static shapes (every page a sequence can have is scored, the ones that are no candidates
-masked; the step's context enters through small device tensors set once per step), so on CUDA a layer's
-scoring, selection, correction and next plan are one graph replay of three kernels and a few small ops
-(engine/ops/quest_score.py, engine/ops/quest_select.py), and nothing in it waits for the host. The rows a plan
-loads are kept per context parity: the loads for the next step read one copy while this step's choices are
-written to the other. A plan's rows are [sink | the window's host part | the chosen pages]; the last g rows of
-the last page fall past the plan's end (the truncation above).
+The decode work has static shapes (every page a sequence can have is scored, non-candidates masked; the step's
+context enters through small device tensors set once per step), so on CUDA a layer's scoring, selection,
+correction and next plan are one graph replay of three kernels (engine/ops/quest_score.py, quest_select.py) and
+nothing in it waits for the host. A plan's rows are kept per context parity (the next step's loads read one copy
+while this step's choices go to the other): [sink | the window's host part | the chosen pages], the last g rows
+of the last page past the plan's end (the truncation above).
 
 What the policy reports (recall, pages fetched and kept, per step and per request) is in engine/sparse/quest_figures.py.
 """
@@ -133,8 +132,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._rows_step = 0                       # rows the last step's fixes moved (end_step reads them)
         self._all_pages, self._in_page = torch.arange(n, device=dev), torch.arange(ps, device=dev)
         self._in_block = torch.arange(ppb, device=dev)
-        self._q: torch.Tensor | None = None                    # the observed query (static: graphs read it)
-        self._q_ahead: torch.Tensor | None = None              # a guessed one (its choice may run on another stream)
+        self._q = self._q_ahead = None            # the observed query and a guessed one (static: graphs read them)
         self._scratch_ahead = torch.zeros_like(self._scratch) if self.looks_ahead else None
         self._setup_for: tuple | None = None
         self._plan_for = [None, None]                          # the context each parity's sink/window rows are for
@@ -242,8 +240,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         fix = self._planned.get(layer) == end and layer in self._chosen   # its buffer holds this step's plan
         measure = fix and self.measure_recall and ctx.layer_keys is not None
         old = self._slots[layer].clone() if measure else None
-        if self._q is None:
-            self._q = torch.empty_like(q)
+        self._q = torch.empty_like(q) if self._q is None else self._q
         self._q.copy_(q)
         if layer in self._chosen:
             self._chose.append(layer)
@@ -269,8 +266,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         if self._planned.get(layer) != end or layer not in self._chosen or not self.sparse(layer, end + 1):
             return None
         self._begin(end, ctx)                             # (on the compute stream: its choices read what it sets)
-        if self._q_ahead is None:
-            self._q_ahead = torch.empty_like(q)
+        self._q_ahead = torch.empty_like(q) if self._q_ahead is None else self._q_ahead
         fix = RowFix(self._ahead_rows[layer], self._ahead_dst[layer])
         self._ahead_at[layer] = end
         if run is None:
@@ -311,23 +307,22 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._n_rows.fill_(self.token_budget - tail)
         self._n_candidates = stop                             # the recorder's page count
 
-    def _run(self, layer: int, mode: str, then=None, tag=None) -> None:
-        """The layer's selection, then `then()` if given (tag names what it touches): eager, or (CUDA graphs)
-        captured on its second use and replayed after."""
+    def _run(self, layer: int, mode: str, then=lambda: None, tag=None) -> None:
+        """The layer's selection, then `then()` (tag names what it touches): eager, or (CUDA graphs) captured on
+        its second use and replayed after."""
         key = (layer, mode, tag)
         graph = self._graphs.get(key)
         if graph is None and (not self._capture or key not in self._warm):
             self._warm.add(key)
             self._select(layer, mode)
-            return then() if then is not None else None
+            return then()
         if graph is None:
             ahead = mode == "ahead"
             graph = self._graphs[key] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool_ahead if ahead else self._pool,
                                   capture_error_mode="thread_local"):
                 self._select(layer, mode)
-                if then is not None:
-                    then()
+                then()
             setattr(self, "_pool_ahead" if ahead else "_pool", graph.pool())
         graph.replay()
 
