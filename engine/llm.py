@@ -285,7 +285,7 @@ class LLM:
         self.scheduler.postprocess(seqs, tokens)
         for s in seqs:
             if s.params.leads:
-                s.record_lead(self.runner.sampler.leads[s.seq_id])
+                s.leads.append(self.runner.sampler.leads[s.seq_id])
             if s.is_finished:
                 self.runner.sampler.forget(s.seq_id)
                 if tier is not None:

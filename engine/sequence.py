@@ -69,7 +69,3 @@ class Sequence:
             self.t_first_token = now
         self.t_last_token = now
         self.token_ids.append(token_id)
-
-    def record_lead(self, lead: float) -> None:
-        """The new token's top logit lead over the runner-up (SamplingParams.leads)."""
-        self.leads.append(lead)

@@ -15,6 +15,7 @@ class Sampler:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
         self.leads: dict[int, float] = {}   # the last call's rows that asked (`leads`): top logit - the second
+
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
