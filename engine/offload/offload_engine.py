@@ -237,8 +237,8 @@ class OffloadEngine:
         `wait_ahead` (before the layer's own choice: its q, k, v need only the loads). E.g. a choice made from a
         guessed query and the gather of what it chose, one graph replay (engine/sparse/quest.py `observe_ahead`)."""
         done = self.h2d_ahead.run(work, (self.loaded[buf], compute_done(self.device, self.compute)),
-                            recorder=self.recorder, name=f"fetch L{layer} rows ahead", layer=layer,
-                            slot=buf if buf < self.ring_slots else None, compute=self.compute)
+                                  recorder=self.recorder, name=f"fetch L{layer} rows ahead", layer=layer,
+                                  slot=buf if buf < self.ring_slots else None, compute=self.compute)
         if defer:
             self._ahead[buf] = done
         else:
