@@ -11,8 +11,9 @@ are kept from the largest share down until the kept shares reach the threshold t
 sink) and the query block's own diagonal blocks always are. Every antidiagonal crosses every row and column of
 its cell once, so a vertical or a slash line inside a block shows up in its score (the paper's point).
 
-The estimate runs per kv head and per chunk of query blocks (memory G x chunk x Tk/S floats); the selection
-[Hq, Tq/B, Tk/B] runs in engine.ops.sparse_prefill's block-sparse kernel on CUDA, engine.ops.sparse_gather elsewhere.
+The shares come from engine.ops.xattn_estimate (one Triton launch on CUDA; elsewhere per kv head and chunk of
+query blocks in torch, memory G x chunk x Tk/S floats); the selection [Hq, Tq/B, Tk/B] runs in
+engine.ops.sparse_prefill's block-sparse kernel on CUDA, engine.ops.sparse_gather elsewhere.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from engine.errors import ConfigError
 from engine.ops.flex_sparse import block_pairs
 from engine.ops.sparse_prefill import block_sparse_attention, block_sparse_keep, causal_pairs
+from engine.ops.xattn_estimate import block_shares
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 
@@ -41,30 +43,9 @@ class XAttentionPolicy(SparsePrefillPolicy):
     @torch.no_grad()
     def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
         """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> kept blocks [Hq, nQB, nKB] bool."""
-        (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
-        g, s, b = hq // hkv, self.stride, self.block
+        tq, tk, b = q.shape[0], k.shape[0], self.block
         off, nqb, nkb = tk - tq, -(-tq // b), -(-tk // b)
-        cells = b // s                                                           # strided rows per block
-        keep = torch.zeros(hq, nqb, nkb, dtype=torch.bool, device=q.device)
-        kpos = torch.arange(nkb * cells, device=q.device) * s                    # first key of each strided column
-        qb_per_chunk = max(1, self.chunk_rows // cells)
-        for h in range(hkv):
-            kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s * d)          # [Tk/S, S*D]
-            for m0 in range(0, nqb, qb_per_chunk):
-                m1 = min(nqb, m0 + qb_per_chunk)
-                kb = min(nkb, (off + m1 * b - 1) // b + 1)        # key blocks after the chunk's last row: masked
-                rows = q[m0 * b:m1 * b, h * g:(h + 1) * g] * (scale / s)                       # [r, G, D]
-                rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
-                qs = rows.reshape(-1, s, g, d).flip(1).permute(2, 0, 1, 3).reshape(g, -1, s * d)  # [G, r/S, S*D]
-                a = qs @ kh[:kb * cells].T                                                     # [G, r/S, kb*cells]
-                last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
-                a.masked_fill_(kpos[None, None, :kb * cells] > last[None, :, None], float("-inf"))
-                a = a.softmax(dim=-1, dtype=torch.float32)
-                if last[-1] - s + 1 >= tk:
-                    a[:, last - s + 1 >= tk] = 0                                  # padding rows past the prompt
-                share = a.reshape(g, m1 - m0, cells, kb, cells).sum(dim=(2, 4))   # [G, chunk, kb]
-                share /= share.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-                keep[h * g:(h + 1) * g, m0:m1, :kb] = self._select(share)
+        keep = self._select(block_shares(q, k, scale, self.stride, b, self.chunk_rows))
         first = (off + torch.arange(nqb, device=q.device) * b) // b             # the diagonal: a query block's own
         lastb = (off + torch.clamp(torch.arange(1, nqb + 1, device=q.device) * b, max=tq) - 1) // b  # key blocks
         n = torch.arange(nkb, device=q.device)

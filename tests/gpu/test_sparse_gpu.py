@@ -230,3 +230,18 @@ def test_a_dense_quest_decodes_with_full_graphs(mode):
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
     assert keys[1] == keys[0] and keys[1] and "pre" not in keys[1]
+
+
+@pytest.mark.parametrize("tq,tk,d", [(4096, 4096, 128), (3000, 4133, 128), (4000, 4000, 64)])
+def test_xattention_estimate_kernel_at_real_shapes(tq, tk, d):
+    """The one-launch estimate (head-major k, bf16) against the torch form: the same shares up to bf16 rounding of
+    the torch form's logits, and nearly the same blocks chosen (a share at the threshold may fall either way)."""
+    from engine.ops.xattn_estimate import block_shares_reference, block_shares_triton
+    q, k, _ = _qkv(tq, tk, d=d)
+    got = block_shares_triton(q, k, d ** -0.5, 16, 128)
+    want = block_shares_reference(q, k, d ** -0.5, 16, 128)
+    assert (got - want).abs().max() < 2e-2
+    assert torch.allclose(got.sum(-1), torch.ones_like(got[..., 0]), atol=1e-3)
+    xa = XAttentionPolicy(threshold=0.9, stride=16, block=128, min_len=1)
+    same = (xa._select(got) == xa._select(want)).float().mean()
+    assert same > 0.99

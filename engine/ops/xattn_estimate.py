@@ -1,0 +1,150 @@
+"""XAttention's block shares: how much of a query block's attention its antidiagonal estimate puts in each key block.
+
+Queries are the last Tq of Tk positions (offset = Tk - Tq); blocks are B tokens, the stride S divides B and a
+block holds C = B / S strided rows (or columns). Strided row r stands for q rows r*S .. r*S+S-1, strided column c
+for keys c*S .. c*S+S-1; their score is the antidiagonal sum  sum_i q[r*S + S-1-i] . k[c*S + i]  (a dot product of
+S*D-long reordered vectors), times scale / S. Each strided row's scores go through a causal softmax (column c is
+masked past the row's last position, offset + r*S + S-1); strided rows past the prompt count for nothing.
+
+    share[h, m, n] = sum over rows r of block m and columns c of block n of softmax(r)[c] / (valid rows of m)
+
+so each query block's shares sum to 1 (key blocks after its last row are 0). The selection (largest shares up to
+the threshold) is the policy's (engine/sparse/xattention.py).
+
+`block_shares_reference` is the torch form (the CPU path and the tests' reference): per kv head and chunk of query
+blocks, a matmul of the reordered rows, a softmax and a sum (~10 small kernels each, a Python loop). On CUDA the
+Triton kernel computes it in one launch: a program holds BM strided rows of one query head (whole query blocks)
+and walks the key columns up to its last row twice, first for each row's softmax max and sum (online), then to
+add each row's normalized probabilities into its block's shares. Nothing of size Tq/S x Tk/S is stored.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the reference
+    triton = None
+
+_LOG2E = 1.4426950408889634
+
+
+def block_shares_reference(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int, block: int,
+                           chunk_rows: int = 2048) -> torch.Tensor:
+    """q [Tq, Hq, D], k [Tk, Hkv, D] -> share [Hq, ceil(Tq/B), ceil(Tk/B)] float32 (see the module docstring).
+    Memory: G x chunk_rows/S x Tk/S floats at a time."""
+    (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
+    g, s, b = hq // hkv, stride, block
+    off, nqb, nkb = tk - tq, -(-tq // b), -(-tk // b)
+    cells = b // s                                                           # strided rows per block
+    share = torch.zeros(hq, nqb, nkb, dtype=torch.float32, device=q.device)
+    kpos = torch.arange(nkb * cells, device=q.device) * s                    # first key of each strided column
+    qb_per_chunk = max(1, chunk_rows // cells)
+    for h in range(hkv):
+        kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s * d)            # [Tk/S, S*D]
+        for m0 in range(0, nqb, qb_per_chunk):
+            m1 = min(nqb, m0 + qb_per_chunk)
+            kb = min(nkb, (off + m1 * b - 1) // b + 1)          # key blocks after the chunk's last row: masked
+            rows = q[m0 * b:m1 * b, h * g:(h + 1) * g] * (scale / s)                         # [r, G, D]
+            rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
+            qs = rows.reshape(-1, s, g, d).flip(1).permute(2, 0, 1, 3).reshape(g, -1, s * d)    # [G, r/S, S*D]
+            a = qs @ kh[:kb * cells].T                                                       # [G, r/S, kb*cells]
+            last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
+            a.masked_fill_(kpos[None, None, :kb * cells] > last[None, :, None], float("-inf"))
+            a = a.softmax(dim=-1, dtype=torch.float32)
+            if last[-1] - s + 1 >= tk:
+                a[:, last - s + 1 >= tk] = 0                                    # padding rows past the prompt
+            part = a.reshape(g, m1 - m0, cells, kb, cells).sum(dim=(2, 4))      # [G, chunk, kb]
+            share[h * g:(h + 1) * g, m0:m1, :kb] = part / part.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    return share
+
+
+if triton is not None:
+    @triton.jit
+    def _scores(q_ptr, k_ptr, r, c, tq, tk, sq_t, sk_t, d, dm, S: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, PREC: tl.constexpr):
+        """[BM, BN] antidiagonal sums of strided rows r and columns c (unscaled), fp32."""
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for i in range(S):
+            qi = r * S + (S - 1 - i)
+            ki = c * S + i
+            qt = tl.load(q_ptr + qi[:, None].to(tl.int64) * sq_t + d[None, :], mask=(qi < tq)[:, None] & dm[None, :],
+                         other=0.0)
+            kt = tl.load(k_ptr + ki[:, None].to(tl.int64) * sk_t + d[None, :], mask=(ki < tk)[:, None] & dm[None, :],
+                         other=0.0)
+            acc += tl.dot(qt, tl.trans(kt), input_precision=PREC)
+        return acc
+
+    # (prompt sizes, not specialized on: a new prompt length must not compile another kernel in the user's turn)
+    @triton.jit(do_not_specialize=["tq", "tk", "offset", "n_rows", "n_cols", "nqb", "nkb"])
+    def _shares_kernel(Q, K, OUT, tq, tk, offset, n_rows, n_cols, nqb, nkb, qk_scale, sq_t, sq_h, sk_t, sk_h,
+                       so_h, so_m, G: tl.constexpr, S: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr):
+        h, n_tiles = tl.program_id(0), tl.num_programs(1)
+        t = n_tiles - 1 - tl.program_id(1)                                   # the longest rows first
+        r = t * BM + tl.arange(0, BM)
+        row_ok = r < n_rows
+        last = offset + r * S + S - 1                                        # each strided row's last position
+        d = tl.arange(0, DP)
+        dm = d < D
+        q_ptr = Q + h.to(tl.int64) * sq_h
+        k_ptr = K + (h // G).to(tl.int64) * sk_h
+        r_hi = tl.minimum(t * BM + BM, n_rows) - 1
+        end = tl.minimum(n_cols, (offset + r_hi * S + S - 1) // S + 1)      # columns up to the last row's end
+        m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BM,), dtype=tl.float32)
+        for n in range(0, end, BN):                                           # pass 1: each row's max and sum
+            c = n + tl.arange(0, BN)
+            s = _scores(q_ptr, k_ptr, r, c, tq, tk, sq_t, sk_t, d, dm, S, BM, BN, PREC) * qk_scale
+            s = tl.where(c[None, :] * S <= last[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_i = m_new
+        inv = tl.where(row_ok, 1.0 / l_i, 0.0)
+        QB: tl.constexpr = BM // C
+        KB: tl.constexpr = BN // C
+        qb = t * QB + tl.arange(0, QB)
+        rows_in = tl.minimum(tl.maximum(n_rows - qb * C, 1), C).to(tl.float32)   # valid strided rows per block
+        out = OUT + h.to(tl.int64) * so_h + qb[:, None].to(tl.int64) * so_m
+        for n in range(0, end, BN):                                           # pass 2: shares per block pair
+            c = n + tl.arange(0, BN)
+            s = _scores(q_ptr, k_ptr, r, c, tq, tk, sq_t, sk_t, d, dm, S, BM, BN, PREC) * qk_scale
+            s = tl.where(c[None, :] * S <= last[:, None], s, float("-inf"))
+            p = tl.exp2(s - m_i[:, None]) * inv[:, None]
+            blk = tl.sum(tl.sum(tl.reshape(p, (QB, C, KB, C)), 3), 1) / rows_in[:, None]     # [QB, KB]
+            kb = n // C + tl.arange(0, KB)
+            tl.store(out + kb[None, :], blk, mask=(qb < nqb)[:, None] & (kb < nkb)[None, :])
+
+
+def block_shares_triton(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int, block: int,
+                        block_m: int | None = None, block_n: int | None = None, num_warps: int = 8,
+                        num_stages: int = 3) -> torch.Tensor:
+    """The Triton kernel (one launch); tiles of block_m strided rows by block_n strided columns, each a multiple
+    of the block's C = block / stride strided rows. Tiles measured best (tools/tune_sparse.py and a sweep with
+    block_n 32 too; H200, bf16, stride 16, block 128): 128 x 128 at head_dim 128 (Qwen3-4B's shape: 1.52 ms at
+    32K, 24.1 ms at 128K, against the torch form's 4.45 and 34.6), 64 x 128 at head_dim 64 (the default model's:
+    0.12 ms at 8K, 0.42 ms at 32K, against 0.86 and 1.78); 8 warps, 3 stages."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("xattention estimate kernel: q and k need contiguous last dims")
+    (tq, hq, d), tk = q.shape, k.shape[0]
+    cells = block // stride
+    bm, bn = max(cells, block_m or (128 if d >= 128 else 64)), max(cells, block_n or 128)
+    n_rows, nqb, nkb = -(-tq // stride), -(-tq // block), -(-tk // block)
+    share = torch.zeros(hq, nqb, nkb, dtype=torch.float32, device=q.device)
+    grid = (hq, triton.cdiv(n_rows, bm))
+    _shares_kernel[grid](q, k, share, tq, tk, tk - tq, n_rows, nkb * cells, nqb, nkb, scale / stride * _LOG2E,
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), share.stride(0), share.stride(1),
+                         G=hq // k.shape[1], S=stride, C=cells, BM=bm, BN=bn, D=d, DP=max(16, triton.next_power_of_2(d)),
+                         PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                         num_warps=num_warps, num_stages=num_stages)
+    return share
+
+
+def block_shares(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int, block: int,
+                 chunk_rows: int = 2048) -> torch.Tensor:
+    """The shares: the Triton kernel on CUDA, the torch form elsewhere."""
+    if q.is_cuda and triton is not None:
+        return block_shares_triton(q, k, scale, stride, block)
+    return block_shares_reference(q, k, scale, stride, block, chunk_rows)
