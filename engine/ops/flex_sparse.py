@@ -24,7 +24,8 @@ _FORWARD_ONLY = False     # BlockMask.from_kv_blocks takes compute_q_blocks (tor
 
 
 def available(q: torch.Tensor) -> bool:
-    """FlexAttention can run here (CUDA, torch with flex_attention)."""
+    """FlexAttention can run here (CUDA, torch with flex_attention, bf16 or fp16: in fp32 at head_dim 64 it gave
+    rows far from the masked reference on the H200, max error 0.48 with torch 2.11, where ours gave 0.003)."""
     global _compiled, _FORWARD_ONLY
     if _compiled is None:
         try:
@@ -33,7 +34,7 @@ def available(q: torch.Tensor) -> bool:
             _compiled = torch.compile(flex_attention, dynamic=True)    # one compile for every prompt length
         except Exception:  # noqa: BLE001 - an older torch: the Triton kernel runs instead
             _compiled = False
-    return bool(_compiled) and q.is_cuda
+    return bool(_compiled) and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def _indices(keep: torch.Tensor):

@@ -282,7 +282,7 @@ def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: in
     warps at head_dim 64 (H100: 0.52x); block 64: BN 64, 4 warps."""
     _check(q, k, v)
     (tq, hq, d), tk, bm = q.shape, k.shape[0], pat.block
-    wide = bm >= 128 and d >= 128
+    wide = bm >= 128 and d >= 128 and q.element_size() <= 2      # (fp32 tiles that wide need more shared memory)
     block_n, num_warps = block_n or (128 if wide else 64), num_warps or (8 if wide else 4)
     num_stages = num_stages or (3 if wide else 2)
     off, n_mb = tk - tq, -(-tq // bm)
@@ -321,7 +321,7 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
         full[:, -1] = 0                                                  # ragged last rows: all tiles masked
     o = torch.empty_like(q)
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
-    wide = block >= 128 and d >= 128
+    wide = block >= 128 and d >= 128 and q.element_size() <= 2   # (fp32 tiles that wide need more shared memory)
     bn = min(block_n or (128 if wide else 64), block)
     _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt.contiguous(), full.contiguous(), pairs, tq, tk, tk - tq, max_k,
                            scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -130,7 +130,10 @@ def block_shares_triton(q: torch.Tensor, k: torch.Tensor, scale: float, stride: 
         raise ValueError("xattention estimate kernel: q and k need contiguous last dims")
     (tq, hq, d), tk = q.shape, k.shape[0]
     cells = block // stride
-    bm, bn = max(cells, block_m or (128 if d >= 128 else 64)), max(cells, block_n or 128)
+    wide = q.element_size() <= 2                     # fp32 tiles of 128 x 128 need more shared memory than there is
+    bm = max(cells, block_m or (128 if d >= 128 and wide else 64))
+    bn = max(cells, block_n or (128 if wide else 64))
+    num_stages = num_stages if wide else min(num_stages, 2)
     n_rows, nqb, nkb = -(-tq // stride), -(-tq // block), -(-tk // block)
     share = torch.zeros(hq, nqb, nkb, dtype=torch.float32, device=q.device)
     grid = (hq, triton.cdiv(n_rows, bm))

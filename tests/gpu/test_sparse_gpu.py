@@ -41,7 +41,7 @@ def test_block_sparse_kernel_at_qwen3_shape(tq, tk):
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tq,tk,d", [(4096, 4096, 128), (3000, 4133, 128), (4000, 4000, 64)])
 def test_block_sparse_dispatch_and_flex_at_real_shapes(tq, tk, d, dtype):
     """What XAttention runs on CUDA (our Triton kernel), and FlexAttention's kernel the bench times beside it,
@@ -67,9 +67,10 @@ def test_a_dense_pattern_runs_dense_on_the_gpu_and_says_why():
     assert st["sparse"] is False and "our GPU kernels are slower than dense attention" in st["reason"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])      # fp32: tiles that fit its shared memory
 @pytest.mark.parametrize("d", [64, 128])
-def test_vertical_slash_kernel_block_128_default_tiles(d):
-    q, k, v = _qkv(3000, 4133, d=d)
+def test_vertical_slash_kernel_block_128_default_tiles(d, dtype):
+    q, k, v = _qkv(3000, 4133, d=d, dtype=dtype)
     pat = MInferencePolicy(vertical=300, slash=500, min_len=1).estimate(q, k, d ** -0.5)
     assert pat.block == 128
     got, pairs = vertical_slash_triton(q, k, v, pat, d ** -0.5)
@@ -232,12 +233,13 @@ def test_a_dense_quest_decodes_with_full_graphs(mode):
     assert keys[1] == keys[0] and keys[1] and "pre" not in keys[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tq,tk,d", [(4096, 4096, 128), (3000, 4133, 128), (4000, 4000, 64)])
-def test_xattention_estimate_kernel_at_real_shapes(tq, tk, d):
+def test_xattention_estimate_kernel_at_real_shapes(tq, tk, d, dtype):
     """The one-launch estimate (head-major k, bf16) against the torch form: the same shares up to bf16 rounding of
     the torch form's logits, and nearly the same blocks chosen (a share at the threshold may fall either way)."""
     from engine.ops.xattn_estimate import block_shares_reference, block_shares_triton
-    q, k, _ = _qkv(tq, tk, d=d)
+    q, k, _ = _qkv(tq, tk, d=d, dtype=dtype)
     got = block_shares_triton(q, k, d ** -0.5, 16, 128)
     want = block_shares_reference(q, k, d ** -0.5, 16, 128)
     assert (got - want).abs().max() < 2e-2
