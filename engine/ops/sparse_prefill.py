@@ -42,7 +42,8 @@ class VerticalSlash:
     block: int               # BM: query rows per block (and the run length of a diagonal)
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merged runs: d_lo, d_hi [Hq, NG] int32 sorted, padded with a large value past each head's groups."""
+        """Merged runs: d_lo, d_hi [Hq, NS] int32 sorted, padded with a large value past each head's groups (as
+        wide as the diagonals: cutting at the most groups a head has would read that count on the host, a sync)."""
         d = self.slash.long()
         new = torch.ones_like(d, dtype=torch.bool)
         new[:, 1:] = d[:, 1:] - d[:, :-1] > self.block
@@ -50,8 +51,7 @@ class VerticalSlash:
         last[:, :-1] = new[:, 1:]
         d_lo = torch.where(new, d, _BIG).sort(dim=1).values
         d_hi = torch.where(last, d, _BIG).sort(dim=1).values
-        n = int(new.sum(dim=1).max()) if d.numel() else 0
-        return d_lo[:, :n].int().contiguous(), d_hi[:, :n].int().contiguous()
+        return d_lo.int().contiguous(), d_hi.int().contiguous()
 
     def covered(self, tk: int) -> torch.Tensor:
         """[Hq, tk + BM] bool: entry t + BM - 1 says whether offset t = m0 - c lies in a diagonal's run."""
@@ -312,7 +312,7 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
     _check(q, k, v)
     (tq, hq, d), tk = q.shape, k.shape[0]
     n_mb = blocks.shape[1]
-    cnt, idx = kept_first(blocks)
+    cnt, idx = kept_first(blocks, blocks.shape[-1])                     # (the widest row's count would be a sync)
     max_k = idx.shape[-1]
     first = (tk - tq) + torch.arange(n_mb, device=q.device, dtype=torch.int32) * block   # each block's first row
     before = idx < ((first + 1) // block)[None, :, None]                # key block ends before that row
