@@ -269,6 +269,21 @@ if triton is not None:
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, at, so_t, so_h, offs_d)
 
 
+    @triton.jit(do_not_specialize=["tq", "offset", "nkb"])
+    def _plan_kernel(KEEP, CNT, IDX, FULL, tq, offset, nkb, s_h, s_m, B: tl.constexpr, NP: tl.constexpr):
+        """One (head, query block): its kept key blocks in order (IDX), their count and how many lie before the
+        block's first row (FULL: unmasked tiles; 0 for a ragged last block, whose rows are all masked)."""
+        h, m, n_mb = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+        n = tl.arange(0, NP)
+        keep = tl.load(KEEP + h * s_h + m * s_m + n, mask=n < nkb, other=0) != 0
+        at = h * n_mb + m
+        tl.store(IDX + at.to(tl.int64) * nkb + tl.cumsum(keep.to(tl.int32), 0) - 1, n, mask=keep)
+        tl.store(CNT + at, tl.sum(keep.to(tl.int32), 0))
+        full = tl.sum((keep & (n < (offset + m * B + 1) // B)).to(tl.int32), 0)
+        ragged = (m == n_mb - 1) & (tq % B != 0)
+        tl.store(FULL + at, tl.where(ragged, 0, full))
+
+
 def _check(q, k, v):
     d = q.shape[-1]
     if d & (d - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -312,18 +327,17 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
     _check(q, k, v)
     (tq, hq, d), tk = q.shape, k.shape[0]
     n_mb = blocks.shape[1]
-    cnt, idx = kept_first(blocks, blocks.shape[-1])                     # (the widest row's count would be a sync)
-    max_k = idx.shape[-1]
-    first = (tk - tq) + torch.arange(n_mb, device=q.device, dtype=torch.int32) * block   # each block's first row
-    before = idx < ((first + 1) // block)[None, :, None]                # key block ends before that row
-    full = (before & (torch.arange(max_k, device=q.device) < cnt[..., None])).sum(-1, dtype=torch.int32)
-    if tq % block:
-        full[:, -1] = 0                                                  # ragged last rows: all tiles masked
+    blocks = blocks.contiguous()
+    max_k = blocks.shape[-1]                                             # (the widest row's count would be a sync)
+    cnt = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
+    full, idx = torch.empty_like(cnt), torch.empty(hq, n_mb, max_k, dtype=torch.int32, device=q.device)
+    _plan_kernel[(hq, n_mb)](blocks.view(torch.uint8), cnt, idx, full, tq, tk - tq, max_k, blocks.stride(0),
+                             blocks.stride(1), B=block, NP=max(16, triton.next_power_of_2(max_k)), num_warps=4)
     o = torch.empty_like(q)
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
     wide = block >= 128 and d >= 128 and q.element_size() <= 2   # (fp32 tiles that wide need more shared memory)
     bn = min(block_n or (128 if wide else 64), block)
-    _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt.contiguous(), full.contiguous(), pairs, tq, tk, tk - tq, max_k,
+    _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt, full, pairs, tq, tk, tk - tq, max_k,
                            scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                            v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                            G=hq // k.shape[1], B=block, BN=bn, D=d,

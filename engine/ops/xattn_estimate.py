@@ -8,8 +8,13 @@ masked past the row's last position, offset + r*S + S-1); strided rows past the 
 
     share[h, m, n] = sum over rows r of block m and columns c of block n of softmax(r)[c] / (valid rows of m)
 
-so each query block's shares sum to 1 (key blocks after its last row are 0). The selection (largest shares up to
-the threshold) is the policy's (engine/sparse/xattention.py).
+so each query block's shares sum to 1 (key blocks after its last row are 0).
+
+The selection (`select_blocks`): per head and query block, the key blocks with the largest shares until they hold
+the threshold tau (a block is kept while the shares ranked before it, equal shares in index order, sum to less
+than tau), plus the first key block (the sink) and the query block's own diagonal blocks. The torch form sorts
+each row; the Triton kernel finds the last kept share by bisection on its bits (the shares are non-negative, so
+their float bits order like integers) and never sorts: one launch for all rows.
 
 `block_shares_reference` is the torch form (the CPU path and the tests' reference): per kv head and chunk of query
 blocks, a matmul of the reordered rows, a softmax and a sum (~10 small kernels each, a Python loop). On CUDA the
@@ -143,6 +148,65 @@ def block_shares_triton(q: torch.Tensor, k: torch.Tensor, scale: float, stride: 
                          PREC="ieee" if q.dtype == torch.float32 else "tf32",
                          num_warps=num_warps, num_stages=num_stages)
     return share
+
+
+def select_blocks_reference(share: torch.Tensor, threshold: float, tq: int, tk: int, block: int) -> torch.Tensor:
+    """share [Hq, nQB, nKB] -> kept blocks, bool (see the module docstring). A stable sort: equal shares are cut
+    in index order (an unstable one may order them differently from run to run on CUDA)."""
+    p, order = share.sort(dim=-1, descending=True, stable=True)
+    before = p.cumsum(dim=-1) - p
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, (before < threshold) & (p > 0))
+    nqb, nkb, dev = share.shape[1], share.shape[2], share.device
+    first = (tk - tq + torch.arange(nqb, device=dev) * block) // block              # the diagonal: a query block's
+    last = (tk - tq + torch.clamp(torch.arange(1, nqb + 1, device=dev) * block, max=tq) - 1) // block  # own blocks
+    n = torch.arange(nkb, device=dev)
+    keep |= ((n[None] >= first[:, None]) & (n[None] <= last[:, None]))[None]
+    keep[:, :, 0] = True
+    return keep
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["tq", "offset", "nkb"])
+    def _select_kernel(SHARE, KEEP, tq, offset, nkb, threshold, s_h, s_m, k_h, k_m, B: tl.constexpr,
+                       NP: tl.constexpr):
+        h, m = tl.program_id(0), tl.program_id(1)
+        n = tl.arange(0, NP)
+        inside = n < nkb
+        x = tl.load(SHARE + h * s_h + m * s_m + n, mask=inside, other=0.0)
+        key = x.to(tl.int32, bitcast=True)
+        lo = tl.sum(tl.zeros((NP,), tl.int32), 0) - 1              # F(t) = sum of the shares above t (bits)
+        hi = lo * 0 + 0x3F800001                                   # F(lo) >= tau or lo = -1; F(hi) = 0 < tau
+        for _ in range(31):
+            mid = lo + (hi - lo) // 2
+            below = tl.sum(tl.where(key > mid, x, 0.0), 0) < threshold
+            hi = tl.where(below, mid, hi)
+            lo = tl.where(below, lo, mid)
+        t = tl.min(tl.where((key >= hi) & (x > 0), key, 0x7F800000), 0)   # the last kept share (inf: none)
+        tie = (key == t) & inside
+        tx = tl.where(tie, x, 0.0)
+        before = tl.sum(tl.where(key > t, x, 0.0), 0) + tl.cumsum(tx, 0) - tx
+        keep = ((key > t) | (tie & (before < threshold))) & (x > 0)
+        first = (offset + m * B) // B
+        last = (offset + tl.minimum((m + 1) * B, tq) - 1) // B
+        keep = keep | (n == 0) | ((n >= first) & (n <= last))
+        tl.store(KEEP + h * k_h + m * k_m + n, keep.to(tl.uint8), mask=inside)
+
+
+def select_blocks(share: torch.Tensor, threshold: float, tq: int, tk: int, block: int) -> torch.Tensor:
+    """The kept blocks [Hq, nQB, nKB] bool: the Triton kernel on CUDA (one launch; the torch form is ~15 small
+    kernels, host time the GPU waits for on a small model), the torch form elsewhere."""
+    if share.is_cuda and triton is not None:
+        return select_blocks_triton(share, threshold, tq, tk, block)
+    return select_blocks_reference(share, threshold, tq, tk, block)
+
+
+def select_blocks_triton(share: torch.Tensor, threshold: float, tq: int, tk: int, block: int) -> torch.Tensor:
+    hq, nqb, nkb = share.shape
+    keep = torch.empty(hq, nqb, nkb, dtype=torch.bool, device=share.device)
+    _select_kernel[(hq, nqb)](share, keep.view(torch.uint8), tq, tk - tq, nkb, threshold, share.stride(0),
+                              share.stride(1), keep.stride(0), keep.stride(1), B=block,
+                              NP=max(16, triton.next_power_of_2(nkb)), num_warps=4)
+    return keep
 
 
 def block_shares(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int, block: int,

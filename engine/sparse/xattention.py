@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from engine.errors import ConfigError
 from engine.ops.flex_sparse import block_pairs
 from engine.ops.sparse_prefill import block_sparse_attention, block_sparse_keep, causal_pairs
-from engine.ops.xattn_estimate import block_shares
+from engine.ops.xattn_estimate import block_shares, select_blocks
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 
@@ -43,23 +43,8 @@ class XAttentionPolicy(SparsePrefillPolicy):
     @torch.no_grad()
     def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
         """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> kept blocks [Hq, nQB, nKB] bool."""
-        tq, tk, b = q.shape[0], k.shape[0], self.block
-        off, nqb, nkb = tk - tq, -(-tq // b), -(-tk // b)
-        keep = self._select(block_shares(q, k, scale, self.stride, b, self.chunk_rows))
-        first = (off + torch.arange(nqb, device=q.device) * b) // b             # the diagonal: a query block's own
-        lastb = (off + torch.clamp(torch.arange(1, nqb + 1, device=q.device) * b, max=tq) - 1) // b  # key blocks
-        n = torch.arange(nkb, device=q.device)
-        keep |= ((n[None] >= first[:, None]) & (n[None] <= lastb[:, None]))[None]
-        keep[:, :, 0] = True
-        return keep
-
-    def _select(self, share: torch.Tensor) -> torch.Tensor:
-        """Keep the largest shares of each row until they sum to the threshold (equal shares in index order: an
-        unstable sort may order them differently from run to run on CUDA, and so cut the row elsewhere)."""
-        p, order = share.sort(dim=-1, descending=True, stable=True)
-        before = p.cumsum(dim=-1) - p
-        kept = (before < self.threshold) & (p > 0)
-        return torch.zeros_like(kept).scatter_(-1, order, kept)
+        share = block_shares(q, k, scale, self.stride, self.block, self.chunk_rows)
+        return select_blocks(share, self.threshold, q.shape[0], k.shape[0], self.block)
 
     def kernel(self, q, k, v, blocks, scale):
         return block_sparse_attention(q, k, v, blocks, self.block, scale)

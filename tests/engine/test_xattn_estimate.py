@@ -68,3 +68,45 @@ def test_kernel_equals_reference(tq, tk, hq, hkv, d, s, b, bm, bn):
     got = block_shares_triton(q.to(DEV), k.to(DEV), d ** -0.5, s, b, block_m=bm, block_n=bn).cpu()
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=2e-5 if DEV == "cpu" else 2e-3)
+
+
+from engine.ops.xattn_estimate import select_blocks_reference, select_blocks_triton  # noqa: E402
+
+
+def _forced(tq, tk, b, nqb, nkb):
+    """The sink and each query block's own diagonal blocks, written out."""
+    f = torch.zeros(nqb, nkb, dtype=torch.bool)
+    f[:, 0] = True
+    for m in range(nqb):
+        for r in range(m * b, min(tq, (m + 1) * b)):
+            f[m, (tk - tq + r) // b] = True
+    return f
+
+
+@pytest.mark.parametrize("tq,tk,b", [(640, 640, 16), (300, 1000, 32)])
+@pytest.mark.parametrize("tau", [0.3, 0.9, 1.0])
+def test_selection_kernel_equals_reference(tq, tk, b, tau):
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(tq, 2, 16, generator=g) * 2, torch.randn(tk, 1, 16, generator=g) * 2
+    share = block_shares_reference(q, k, 0.25, 4, b)
+    want = select_blocks_reference(share, tau, tq, tk, b)
+    assert want.equal(select_blocks_triton(share.to(DEV), tau, tq, tk, b).cpu())
+    forced = _forced(tq, tk, b, *share.shape[1:])
+    assert (want | forced).equal(want)                                         # sink and diagonal always in
+    assert (share.where(want, 0).sum(-1) >= tau - 1e-5).all()                  # each row reaches the threshold
+    free = ~forced[None]                                                       # the largest shares first:
+    least_kept = share.where(want & free, 2.0).amin(-1)                        # every kept share beats every
+    most_dropped = share.where(~want & free, -1.0).amax(-1)                    # dropped one
+    assert (least_kept >= most_dropped).all()
+    if tau < 1:
+        assert (~want & free & (share > 0)).any()                              # (and the threshold drops some)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_equal_shares_are_cut_in_index_order(kernel):
+    """Equal shares keep the first blocks, the same ones on every run and in every mode (an unstable sort orders
+    ties as it likes)."""
+    share = torch.full((2, 1, 4096), 1 / 4096)
+    select = select_blocks_triton if kernel else select_blocks_reference
+    kept = select(share.to(DEV if kernel else "cpu"), 0.5, 1, 4096, 1).cpu()
+    assert kept[:, 0, :2048].all() and not kept[:, 0, 2048:-1].any() and kept[:, 0, -1].all()   # -1: the diagonal
