@@ -55,9 +55,11 @@ def _flash(q, k, v, scale, mask=None, causal=False):
 
 
 @torch.no_grad()
-def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float):
+def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, blocks: torch.Tensor | None = None):
     """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D], keep [Hq, nQB, Tk] ->
-    ([Tq, Hq, D], pairs computed per head [Hq] int64).
+    ([Tq, Hq, D], pairs computed per head [Hq] int64). blocks [Hq, nQB, ceil(Tk / block)] bool: the block table
+    `keep` was made from, where there is one (a block-sparse pattern): the earlier keys are then found and gathered
+    as whole blocks (where the prompt starts at a block boundary), not token by token.
 
     A (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the diagonal
     block) is two attentions merged by their log-sum-exp: its earlier kept keys, gathered ([n, D], padding
@@ -92,16 +94,18 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float):
             ko, vo = (x.index_select(0, own).view(-1, 1, block, d) for x in (kf, vf))
         o, lse = _flash(qb, ko, vo, scale, causal=True)
         if n > 0:
-            idx = (base[:, None] + kept_first(keep[h, m], n, fill=span - 1)[1].long()).flatten()
+            if blocks is not None and off % block == 0:   # whole blocks (the earlier ones come first in a row)
+                idx = kept_first(blocks[h, m], n // block)[1].long() + (base // block)[:, None]
+                ke, ve = (x.view(-1, block, d).index_select(0, idx.flatten()).view(-1, 1, n, d) for x in (kf, vf))
+            else:
+                idx = (base[:, None] + kept_first(keep[h, m], n, fill=span - 1)[1].long()).flatten()
+                ke, ve = (x.index_select(0, idx).view(-1, 1, n, d) for x in (kf, vf))
             pad = torch.zeros(b - a, 1, 1, n, device=dev).masked_fill_(
                 torch.arange(n, device=dev) >= earlier[a:b, None, None, None], ninf)
-            o2, lse2 = _flash(qb, kf.index_select(0, idx).view(-1, 1, n, d), vf.index_select(0, idx).view(-1, 1, n, d),
-                              scale, pad)
+            o2, lse2 = _flash(qb, ke, ve, scale, pad)
             lse2.masked_fill_((earlier[a:b] == 0)[:, None, None], ninf)           # a block with no earlier key
             o2.nan_to_num_(0.0)
-            top = torch.maximum(lse, lse2)
-            w, w2 = (lse - top).exp_(), (lse2 - top).exp_()
-            o = (o * w[..., None] + o2 * w2[..., None]) / (w + w2)[..., None]
+            o = torch.lerp(o, o2, torch.sigmoid(lse2 - lse)[..., None])           # = (o e^lse + o2 e^lse2) / sum
         out[h, m] = o[:, 0]
     pairs.index_add_(0, hs, earlier * block + block * (block + 1) // 2)
     for h, m in (~split & (counts > 0)).nonzero().tolist():                              # exact mask, one block

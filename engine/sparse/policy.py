@@ -208,6 +208,10 @@ class SparsePrefillPolicy(SparsePolicy):
     def record(self, recorder, layer: int, pattern, density: list[float], n: int) -> None:
         raise NotImplementedError
 
+    def block_table(self, pattern) -> torch.Tensor | None:
+        """The pattern as kept blocks [Hq, nQB, nKB] where it is one (the gathered path then moves whole blocks)."""
+        return None
+
     def _sparse(self, q, k, v, scale):
         """(out, pairs per head, pattern), or a string: why this layer runs dense."""
         tq, tk = q.shape[0], k.shape[0]
@@ -228,7 +232,7 @@ class SparsePrefillPolicy(SparsePolicy):
                 return f"the pattern keeps {share:.0%} of the pairs: above {limit:.0%} {where}"
         if q.is_cuda:
             return (*self.kernel(q, k, v, pattern, scale), pattern)
-        return (*gathered_attention(q, k, v, keep, self.block, scale), pattern)
+        return (*gathered_attention(q, k, v, keep, self.block, scale, self.block_table(pattern)), pattern)
 
     def prefill_attention(self, q, k, v, layer, scale, ctx=QUIET):
         got = self._sparse(q, k, v, scale)

@@ -55,6 +55,9 @@ class XAttentionPolicy(SparsePrefillPolicy):
     def keep(self, blocks, tq, tk):
         return block_sparse_keep(blocks, self.block, tq, tk)
 
+    def block_table(self, blocks):
+        return blocks
+
     def record(self, recorder, layer, blocks: torch.Tensor, density, n):
         hq, nqb, nkb = blocks.shape
         f = max(1, -(-max(nqb, nkb) // _IMAGE))                                 # binned picture, at most _IMAGE

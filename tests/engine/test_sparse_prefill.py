@@ -166,9 +166,10 @@ def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
     assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
 
 
+@pytest.mark.parametrize("hint", [False, True])     # the keep table alone, or with its blocks (whole-block gathers)
 @pytest.mark.parametrize("fused", [True, False])    # torch's fused CPU kernel, or the plain fallback without it
 @pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
-def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, monkeypatch):
+def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, hint, monkeypatch):
     from engine.ops import sparse_gather
     from engine.ops.sparse_gather import gathered_attention, keep_density
     from engine.ops.sparse_prefill import block_sparse_keep
@@ -182,7 +183,7 @@ def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, monke
     rows, cols = torch.arange(tq), torch.arange(tk)
     allowed = blocks[:, rows // block][:, :, cols // block] & (cols[None] <= off + rows[:, None])
     keep = block_sparse_keep(blocks, block, tq, tk)
-    out, pairs = gathered_attention(q, k, v, keep, block, 0.25)
+    out, pairs = gathered_attention(q, k, v, keep, block, 0.25, blocks if hint else None)
     want = dense_masked(q, k, v, allowed, 0.25).nan_to_num(0.0)                       # empty rows: zero
     assert torch.allclose(out, want, atol=1e-5)
     assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
