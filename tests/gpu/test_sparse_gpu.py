@@ -247,4 +247,6 @@ def test_xattention_estimate_kernel_at_real_shapes(tq, tk, d, dtype):
     assert torch.allclose(got.sum(-1), torch.ones_like(got[..., 0]), atol=1e-3)
     same = (select_blocks(got, 0.9, tq, tk, 128) == select_blocks_reference(want, 0.9, tq, tk, 128)).float().mean()
     assert same > 0.99
-    assert select_blocks(got, 0.9, tq, tk, 128).equal(select_blocks_reference(got, 0.9, tq, tk, 128))
+    kernel, torch_form = select_blocks(got, 0.9, tq, tk, 128), select_blocks_reference(got, 0.9, tq, tk, 128)
+    assert (kernel == torch_form).float().mean() > 0.999       # (sums in another order may move a cut by one block)
+    assert (got.where(kernel, 0).sum(-1) >= 0.9 - 1e-4).all()
