@@ -47,15 +47,16 @@ def block_shares_reference(q: torch.Tensor, k: torch.Tensor, scale: float, strid
     share = torch.zeros(hq, nqb, nkb, dtype=torch.float32, device=q.device)
     kpos = torch.arange(nkb * cells, device=q.device) * s                    # first key of each strided column
     qb_per_chunk = max(1, chunk_rows // cells)
-    for h in range(hkv):
-        kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s * d)            # [Tk/S, S*D]
+    for h in range(hkv):          # (the keys of each cell reversed, not the queries: a third of the copying)
+        kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s, d).flip(1).reshape(nkb * cells, s * d)
         for m0 in range(0, nqb, qb_per_chunk):
             m1 = min(nqb, m0 + qb_per_chunk)
             kb = min(nkb, (off + m1 * b - 1) // b + 1)          # key blocks after the chunk's last row: masked
-            rows = q[m0 * b:m1 * b, h * g:(h + 1) * g] * (scale / s)                         # [r, G, D]
-            rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
-            qs = rows.reshape(-1, s, g, d).flip(1).permute(2, 0, 1, 3).reshape(g, -1, s * d)    # [G, r/S, S*D]
-            a = qs @ kh[:kb * cells].T                                                       # [G, r/S, kb*cells]
+            rows = q[m0 * b:m1 * b, h * g:(h + 1) * g]                                       # [r, G, D]
+            if rows.shape[0] < (m1 - m0) * b:
+                rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
+            qs = rows.reshape(-1, s, g, d).permute(2, 0, 1, 3).reshape(g, -1, s * d)          # [G, r/S, S*D]
+            a = (qs @ kh[:kb * cells].T).mul_(scale / s)                                     # [G, r/S, kb*cells]
             last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
             a.masked_fill_(kpos[None, None, :kb * cells] > last[None, :, None], float("-inf"))
             a = a.softmax(dim=-1, dtype=torch.float32)
