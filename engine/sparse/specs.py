@@ -110,14 +110,18 @@ def _num(x) -> str:
 _DENSE_BELOW = ("prompts (keys of a layer) shorter than this many tokens run dense prefill: sparsity only pays on "
                 "long prompts")
 
-_DENSE_GATE = (  # the prefill policies' dense gate (engine/sparse/policy.py: SparsePrefillPolicy)
-    Param("cpu_dense_above", float, 0.35, 0, 1, "off CUDA: a layer whose pattern keeps more than this share of the "
-          "causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense attention "
-          "there; measured with bench --text sample). 1 = always sparse, to study the masks.", "CPU: dense above",
-          step=0.05),
-    Param("gpu_dense_above", float, 0.45, 0, 1, "on CUDA: a layer whose pattern keeps more than this share of the "
-          "causal pairs runs dense, and the stats say so (our kernels compute a pair at ~0.45x dense attention's "
-          "pace on the H100: bench --kernels). 1 = always sparse.", "GPU: dense above", step=0.05))
+def _dense_gate(cpu: float) -> tuple[Param, Param]:
+    """The prefill policies' dense gate (engine/sparse/policy.py: SparsePrefillPolicy); `cpu`: its default off CUDA,
+    measured per policy with `python -m bench --lengths 2048,4096,7000 --text sample` (XAttention's whole-block
+    gathers pay up to a higher share than MInference's token-level ones)."""
+    return (
+        Param("cpu_dense_above", float, cpu, 0, 1, "off CUDA: a layer whose pattern keeps more than this share of the "
+              "causal pairs runs dense, and the stats say so (the CPU's gathered path is slower than dense attention "
+              "there; measured with bench --text sample). 1 = always sparse, to study the masks.",
+              "CPU: dense above", step=0.05),
+        Param("gpu_dense_above", float, 0.45, 0, 1, "on CUDA: a layer whose pattern keeps more than this share of "
+              "the causal pairs runs dense, and the stats say so (our kernels compute a pair at ~0.45x dense "
+              "attention's pace on the H100: bench --kernels). 1 = always sparse.", "GPU: dense above", step=0.05))
 
 SPECS: dict[str, PolicySpec] = {s.name: s for s in (
     PolicySpec("full", "Full", "both", MODES, "Dense attention over every token: the exact baseline.",
@@ -200,7 +204,7 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("recent", int, 128, 0, 1 << 20, "nearest diagonals always kept", panel=False),
          Param("block", int, 128, help="kernel tile of the pattern (tokens)", choices=(16, 32, 64, 128),
                panel=False),
-         *_DENSE_GATE)),
+         *_dense_gate(0.35))),
     PolicySpec(
         "xattention", "XAttention", "prefill", ("gpu", "layerwise"),
         "Prefill policy: scores attention blocks by the sums of their antidiagonals and computes only the "
@@ -219,7 +223,7 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
                panel=False),
          Param("chunk_rows", int, 2048, 1, 1 << 20, "query rows scored at once (bounds the estimate's memory)",
                panel=False),
-         *_DENSE_GATE)),
+         *_dense_gate(0.45))),
     PolicySpec(
         "streamingllm", "StreamingLLM", "decode", OFFLOAD,
         "Decode policy: attends to the first tokens (the attention sink) and a window of the most recent ones, "
