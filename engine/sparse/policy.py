@@ -259,7 +259,9 @@ class SparsePrefillPolicy(SparsePolicy):
         if not self._pairs:
             return {"sparse": False, "reason": reasons[-1] if reasons else "no prefill yet",
                     "sparse_layers": 0, "density": 1.0}
-        per_layer = {l: sum(self.density(l)) / len(self.density(l)) for l in sorted(self._pairs)}
+        layers = sorted(self._pairs)                          # (one read from the device for all layers)
+        mean = torch.stack([self._pairs[l][0].double() / self._pairs[l][1] for l in layers]).mean(dim=1).tolist()
+        per_layer = dict(zip(layers, mean))
         out = {"sparse": True, "sparse_layers": len(per_layer), "density": sum(per_layer.values()) / len(per_layer),
                "density_per_layer": {str(l): round(d, 4) for l, d in per_layer.items()}}
         if self.dense_reasons:
