@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layerwise: device memory for KV; layers that fit stay resident, the rest stream")
     c.add_argument("--host-kv-gb", type=float, default=None, metavar="GB",
                    help="offload modes: host KV pool (default: one sequence of --max-model-len)")
-    c.add_argument("--prefill-chunk", type=int, default=8192, metavar="TOKENS",
-                   help="layerwise prefill: rows per QKV/MLP chunk (bounds activation memory)")
+    c.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="layerwise prefill: rows per QKV/MLP chunk (bounds activation memory; default: as many as keep "
+                   "the MLP's activations under 256 MiB, at least 8192)")
     c.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     _add_policy_arguments(c)
     c.add_argument("--max-new-tokens", type=int, default=256)

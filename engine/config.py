@@ -29,7 +29,8 @@ class EngineConfig:
     ring_slots: int = 3                 # offload modes: device buffers in the ring (layers, or blocks in chunked)
     gpu_kv_budget_gb: float | None = None  # layerwise: device memory for KV; layers that fit stay resident
     host_kv_gb: float | None = None     # offload modes: host KV pool; None = one sequence of max_model_len
-    prefill_chunk_tokens: int = 8192    # layerwise prefill: rows per QKV / MLP chunk (bounds activations)
+    prefill_chunk_tokens: int | None = None  # layerwise prefill: rows per QKV / MLP chunk (bounds activations);
+                                             # None = as many as keep the MLP's under 256 MiB, at least 8192
     policy: str = "full"                # sparse attention policy (engine.sparse): full | quest
     policy_params: dict = field(default_factory=dict)  # e.g. {"token_budget": 2048, "page_size": 32}
     enforce_eager: bool = False         # True = no CUDA graphs for decode
@@ -51,7 +52,7 @@ class EngineConfig:
                               "asked for): use mode='gpu' to batch sequences, or max_num_seqs=1")
         if self.ring_slots < 1:
             raise ConfigError(f"ring_slots must be at least 1 (got {self.ring_slots})")
-        if self.prefill_chunk_tokens < 1:
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be at least 1 (got {self.prefill_chunk_tokens})")
         for name in ("gpu_kv_budget_gb", "host_kv_gb"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:

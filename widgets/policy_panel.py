@@ -121,9 +121,10 @@ class PolicyPanel(QWidget):
         self.block_size = combo_box(BLOCK_SIZES, 256, "Tokens per KV block (16-4096, powers of two): the prefix "
                                     "cache's granularity, and in chunked mode also the chunk size. Larger blocks "
                                     "mean fewer, bigger copies; 256 is a good default.")
-        self.prefill_chunk = spin_box(256, 1048576, 8192, 1024, tip="Layerwise prefill: prompt rows per "
-                                      "QKV/MLP chunk. Bounds activation memory on long prompts; 4096-16384 is "
-                                      "typical.")
+        self.prefill_chunk = spin_box(0, 1048576, 0, 1024, tip="Layerwise prefill: prompt rows per "
+                                      "QKV/MLP chunk. Bounds activation memory on long prompts. auto: as many as "
+                                      "keep the MLP's activations under 256 MiB, at least 8192.")
+        self.prefill_chunk.setSpecialValueText("auto")
         self._budget_row = self._with_check(self.budget_check, self.budget_gb)
         self._host_row = self._with_check(self.host_check, self.host_gb)
         form.addRow("Mode", self.mode_combo)
@@ -264,7 +265,7 @@ class PolicyPanel(QWidget):
             if self.host_check.isChecked():
                 cfg["host_kv_gb"] = self.host_gb.value()
         if mode == "layerwise":
-            cfg["prefill_chunk_tokens"] = self.prefill_chunk.value()
+            cfg["prefill_chunk_tokens"] = self.prefill_chunk.value() or None   # 0: auto
             if self.budget_check.isChecked():
                 cfg["gpu_kv_budget_gb"] = self.budget_gb.value()
         params = self.params_stack.values(self.policy())   # shown ones only
@@ -283,7 +284,7 @@ class PolicyPanel(QWidget):
             if "kv_block_size" in config:
                 self.block_size.setCurrentIndex(max(0, self.block_size.findData(int(config["kv_block_size"]))))
             if "prefill_chunk_tokens" in config:
-                self.prefill_chunk.setValue(int(config["prefill_chunk_tokens"]))
+                self.prefill_chunk.setValue(int(config["prefill_chunk_tokens"] or 0))
             for key, check, box in (("gpu_kv_budget_gb", self.budget_check, self.budget_gb),
                                     ("host_kv_gb", self.host_check, self.host_gb)):
                 if key in config:

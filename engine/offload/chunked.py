@@ -120,7 +120,8 @@ class ChunkedRunner(OffloadRunner):
                         o, lse = self._earlier_block(q, o, lse, loads, first, i, rec, fix)
                 with rec.span(COMPUTE, "mlp", l):
                     layer.post_rows(lse_output(o, q.dtype), h, residual)
-                policy.on_kv_written(l, seq.block_table[cb], own[0], off, b - cb * bs)
+                if policy.plans_loads:
+                    policy.on_kv_written(l, seq.block_table[cb], own[0], off, b - cb * bs)
                 if b % bs == 0:
                     oe.offload_dbuf(l, seq.block_table[cb])
                 if policy.plans_loads and is_prefill and b == len(seq):   # the prompt's last query: a first choice
@@ -167,7 +168,8 @@ class ChunkedRunner(OffloadRunner):
                 if off == 0:                     # a new block: its previous contents must have left for the host
                     wait_on(oe.dbuf_read[l], self.device, rec, l)
                 oe.dbuf[l][:, :, off].copy_(buf[new[0], :, :, new[1]])
-                policy.on_kv_written(l, host_block, oe.dbuf[l][0], off, off + 1)
+                if policy.plans_loads:
+                    policy.on_kv_written(l, host_block, oe.dbuf[l][0], off, off + 1)
                 if end % self.block_size == 0:
                     oe.offload_dbuf(l, host_block)
                 oe.release(slot, l, end)

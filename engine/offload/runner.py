@@ -24,6 +24,17 @@ from engine.trace.events import COMPUTE, HOST
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
 
+CHUNK_MLP_BYTES = 2**28   # a layerwise prefill chunk's MLP activations ([rows, 2 x intermediate]) stay under this
+
+
+def prefill_chunk(intermediate_size: int, dtype: torch.dtype) -> int:
+    """Rows per QKV / MLP call of a layerwise prefill by default: at least 8192 (Qwen3-4B, Llama-3.1-8B), more for
+    small models (SmolLM2: a 32K prompt in one call per layer, where 4 calls each cost host time: the layer loop of a
+    sparse prefill is bound by the host on such a model)."""
+    rows = CHUNK_MLP_BYTES // (2 * intermediate_size * dtype.itemsize)
+    return max(8192, rows // 1024 * 1024)
+
+
 class OffloadRunner:
     mode = "offload"
     plan = None   # layerwise sets its residency plan
@@ -37,7 +48,7 @@ class OffloadRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // bs)
         self.max_num_batched_tokens = max_model_len  # the whole prompt in one step, one sequence at a time
-        self.chunk_tokens = config.prefill_chunk_tokens
+        self.chunk_tokens = config.prefill_chunk_tokens or prefill_chunk(a.intermediate_size, dtype)
         self.sampler = Sampler(device)
         self.block_bytes = a.kv_bytes_per_token * bs * dtype.itemsize  # one block, all layers (host pool)
         if config.host_kv_gb is not None:

@@ -6,8 +6,9 @@ A policy decides; a runner executes. The runners call these hooks and know nothi
   policies: MInference, XAttention). The default is dense causal attention.
 - `on_kv_written(layer, block_id, keys, start, end)`: tokens start..end-1 of a host block were written (the ones
   before are unchanged), and its post-RoPE keys [Hkv, block_size, D] are on the device until the hook returns
-  (metadata: Quest's key bounds). Called for every block a step writes to, the one being filled included.
-  Blocks read from the disk tier are shown to the policies that plan loads (keys copied up for it).
+  (metadata: Quest's key bounds). Called for every block a step writes to, the one being filled included, and
+  for blocks read from the disk tier (keys copied up for it); only for policies that `plans_loads` (the others
+  keep no metadata of the keys, and a 32K prompt is 125 calls per layer).
 - At decode, for policies with `plans_loads`: `plan_load(layer, context_len, ctx)` says which of the layer's
   tokens to bring to the device for a step whose sequence has context_len tokens (a `LoadPlan`, or None for
   all of them). Loads run ahead of the query, so a plan is made from an earlier query; `observe_query(layer, q,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.ops.flex_sparse import block_pairs
+from engine.ops.flex_sparse import pair_weights
 from engine.ops.sparse_prefill import block_sparse_attention, block_sparse_keep, causal_pairs
 from engine.ops.xattn_estimate import block_shares, select_blocks
 from engine.sparse.policy import SparsePrefillPolicy
@@ -50,7 +50,8 @@ class XAttentionPolicy(SparsePrefillPolicy):
         return block_sparse_attention(q, k, v, blocks, self.block, scale)
 
     def pattern_density(self, blocks, tq, tk):
-        return float(block_pairs(blocks, self.block, tq, tk).sum()) / (blocks.shape[0] * causal_pairs(tq, tk))
+        w = pair_weights(*blocks.shape[1:], self.block, tq, tk, blocks.device)
+        return float((blocks * w).sum()) / (blocks.shape[0] * causal_pairs(tq, tk))   # (the gate's one read)
 
     def keep(self, blocks, tq, tk):
         return block_sparse_keep(blocks, self.block, tq, tk)

@@ -7,6 +7,7 @@ from engine import LLM, SamplingParams
 from engine.errors import ConfigError, OutOfMemoryError
 from engine.offload import plan_residency
 from engine.offload.offload_engine import block_runs
+from engine.offload.runner import prefill_chunk
 from engine.ops.attention import attention_lse, causal_attention, lse_output, merge_lse
 from engine.trace import TraceRecorder, summarize
 from engine.trace.events import COMPUTE, H2D, HOST
@@ -49,8 +50,15 @@ def test_residency_and_ring_depth_do_not_change_tokens(default_model_dir, engine
     assert len(llm.plan.resident) == 7 and llm.plan.ring_slots == 2
     assert llm.plan.describe().startswith("layerwise plan: 7 of 30 layers resident")
     assert llm.generate([prompts["partial last block"]], GREEDY)[0].token_ids == want
-    one = _engine(default_model_dir, "layerwise", ring_slots=1)
+    one = _engine(default_model_dir, "layerwise", ring_slots=1, prefill_chunk_tokens=16)  # rows in 4 chunks
     assert one.generate([prompts["partial last block"]], GREEDY)[0].token_ids == want
+
+
+def test_layerwise_prefill_chunk_bounds_the_mlp_activations():
+    """By default a chunk's MLP activations ([rows, 2 x intermediate]) stay under 256 MiB, at least 8192 rows."""
+    assert prefill_chunk(9728, torch.bfloat16) == 8192            # Qwen3-4B: 6,898 rows would fit
+    assert prefill_chunk(1536, torch.bfloat16) == 43008           # SmolLM2-135M: a 32K prompt in one call
+    assert prefill_chunk(1536, torch.float32) * 2 * 1536 * 4 <= 2**28
 
 
 def test_documents_one_after_another_answer_as_in_fresh_engines(default_model_dir, engines, prompts):

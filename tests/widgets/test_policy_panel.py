@@ -52,6 +52,8 @@ def test_config_round_trips_and_changes_are_signalled(policy, qtbot):
     qtbot.addWidget(other)
     other.set_config(policy.config())
     assert other.config() == cfg
+    other.set_config({"prefill_chunk_tokens": None})                # auto: the engine sizes it
+    assert other.config()["prefill_chunk_tokens"] is None and other.prefill_chunk.text() == "auto"
     xa = {"mode": "gpu", "kv_block_size": 256, "policy": "xattention",
           "policy_params": {"threshold": 0.8, "stride": 8, "min_len": 4096, "cpu_dense_above": 0.35,
                             "gpu_dense_above": 0.45}}
