@@ -188,9 +188,11 @@ if triton is not None:
 
     # (prompt sizes, not specialized on: a new prompt length must not compile another kernel in the user's turn)
     @triton.jit(do_not_specialize=["tq", "offset", "n_vert", "n_grp", "cov_len"])
-    def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, tq, offset, n_vert, n_grp, cov_len, qk_scale,
-                   sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+    def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, SKIP, tq, offset, n_vert, n_grp, cov_len,
+                   qk_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        if tl.load(SKIP) != 0:                                                # the dense gate said no (see _skip)
+            return
         h, n_mb = tl.program_id(0), tl.num_programs(1)
         m = n_mb - 1 - tl.program_id(1)                                       # the longest rows first
         rows = m * BM + tl.arange(0, BM)
@@ -232,12 +234,14 @@ if triton is not None:
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
     @triton.jit(do_not_specialize=["tq", "tk", "offset", "max_k"])
-    def _bs_kernel(Q, K, V, O, IDX, CNT, FULL, PAIRS, tq, tk, offset, max_k, qk_scale,
+    def _bs_kernel(Q, K, V, O, IDX, CNT, FULL, PAIRS, SKIP, tq, tk, offset, max_k, qk_scale,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, B: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
         """One query block of one head. Its kept key blocks, ascending: the first FULL lie before every row of the
         block (one flat loop of unmasked tiles, which Triton pipelines), the rest (the diagonal) masked. Programs
         run the longest rows first (grid: heads, then query blocks from the last)."""
+        if tl.load(SKIP) != 0:                                             # the dense gate said no (see _skip)
+            return
         h, n_mb = tl.program_id(0), tl.num_programs(1)
         m = n_mb - 1 - tl.program_id(1)
         rows = m * B + tl.arange(0, B)
@@ -290,8 +294,17 @@ def _check(q, k, v):
         raise ValueError("sparse prefill kernel: head_dim must be a power of two with contiguous last dims")
 
 
+def _skip(flag: torch.Tensor | None, device) -> torch.Tensor:
+    """A kernel's SKIP: a device scalar that, when nonzero, makes every program exit at once. A dense gate launches
+    the kernel before it reads its own answer on the host, so in a sparse layer the GPU computes while the host
+    waits for that read (engine/sparse/policy.py); None: never skip."""
+    if flag is None:
+        return torch.zeros((), dtype=torch.int32, device=device)
+    return flag.to(torch.int32)
+
+
 def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None):
+                          num_warps: int | None = None, num_stages: int | None = None, skip=None):
     """Tiles measured best (tools/tune_sparse.py): pattern block 128 at head_dim 128 BN 128, 8 warps, 3 stages
     (H200: 0.55-0.59x dense SDPA's pace per pair at 128K and densities 0.11-0.44; 2 stages 0.50); BN 64 and 4
     warps at head_dim 64 (H100: 0.52x); block 64: BN 64, 4 warps."""
@@ -312,7 +325,8 @@ def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: in
     o = torch.empty_like(q)
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
     vert = pat.vertical.int().contiguous()
-    _vs_kernel[(hq, n_mb)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, tq, off, vert.shape[1],
+    _vs_kernel[(hq, n_mb)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, _skip(skip, q.device), tq, off,
+                           vert.shape[1],
                            d_lo.shape[1], cov.shape[1], scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0),
                            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                            G=hq // k.shape[1], BM=bm, BN=block_n, D=d, num_warps=num_warps, num_stages=num_stages)
@@ -320,7 +334,7 @@ def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: in
 
 
 def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float, block_n: int | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None):
+                        num_warps: int | None = None, num_stages: int | None = None, skip=None):
     """Tiles measured best (tools/tune_sparse.py, H200, head_dim 128, block 128): BN 128, 8 warps, 3 stages
     (pace 0.48-0.72 at 128K over densities 0.016-1; BN 64, 4 warps, 2 stages within ~5% of it, and 10% faster at
     32K near density 1); otherwise as before (H100): BN 64, 2 stages, 8 warps for blocks of 128, else 4."""
@@ -337,7 +351,7 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
     wide = block >= 128 and d >= 128 and q.element_size() <= 2   # (fp32 tiles that wide need more shared memory)
     bn = min(block_n or (128 if wide else 64), block)
-    _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt, full, pairs, tq, tk, tk - tq, max_k,
+    _bs_kernel[(hq, n_mb)](q, k, v, o, idx, cnt, full, pairs, _skip(skip, q.device), tq, tk, tk - tq, max_k,
                            scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                            v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                            G=hq // k.shape[1], B=block, BN=bn, D=d,
@@ -345,19 +359,20 @@ def block_sparse_triton(q, k, v, blocks: torch.Tensor, block: int, scale: float,
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 
-def vertical_slash_attention(q, k, v, pat: VerticalSlash, scale: float):
-    """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> ([Tq, Hq, D], pairs computed per head [Hq])."""
+def vertical_slash_attention(q, k, v, pat: VerticalSlash, scale: float, skip=None):
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> ([Tq, Hq, D], pairs computed per head [Hq]). skip (CUDA): a device
+    flag; where it is set the kernel computes nothing and its results mean nothing."""
     if q.is_cuda and triton is not None:
-        return vertical_slash_triton(q, k, v, pat, scale)
+        return vertical_slash_triton(q, k, v, pat, scale, skip=skip)
     return vertical_slash_reference(q, k, v, pat, scale)
 
 
-def block_sparse_attention(q, k, v, blocks: torch.Tensor, block: int, scale: float):
+def block_sparse_attention(q, k, v, blocks: torch.Tensor, block: int, scale: float, skip=None):
     """blocks [Hq, ceil(Tq / block), ceil(Tk / block)] bool -> ([Tq, Hq, D], pairs computed per head [Hq]).
     CUDA: our Triton kernel. (FlexAttention, engine/ops/flex_sparse.py, is timed beside it by `bench --kernels`:
     it leads only at high densities at 128K, costs a ~3 s compile per process and more host time per call; on the
     default model with XAttention, H100, ours gave 174.6K tok/s at 32K against its 139.2K, 59.4K against 56.9K
     at 8K.)"""
     if q.is_cuda and triton is not None:
-        return block_sparse_triton(q, k, v, blocks, block, scale)
+        return block_sparse_triton(q, k, v, blocks, block, scale, skip=skip)
     return block_sparse_reference(q, k, v, blocks, block, scale)

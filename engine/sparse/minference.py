@@ -68,8 +68,8 @@ class MInferencePolicy(SparsePrefillPolicy):
         slash = diag_score.topk(ns, dim=1).indices.sort(dim=1).values.int()
         return VerticalSlash(vertical, slash, self.block)
 
-    def kernel(self, q, k, v, pat: VerticalSlash, scale):
-        return vertical_slash_attention(q, k, v, pat, scale)
+    def kernel(self, q, k, v, pat: VerticalSlash, scale, skip=None):
+        return vertical_slash_attention(q, k, v, pat, scale, skip)
 
     def pattern_density(self, pat: VerticalSlash, tq, tk):
         """About the share the pattern keeps (within a few percent): each distance t a slash run covers reaches
@@ -77,7 +77,7 @@ class MInferencePolicy(SparsePrefillPolicy):
         reach = torch.clamp(tk - torch.arange(tk, device=pat.slash.device), max=tq).float()
         runs = pat.covered(tk)[:, pat.block - 1:pat.block - 1 + tk].float() @ reach
         cols = reach[pat.vertical.long()].sum(dim=1)
-        return min(1.0, float((runs + cols).mean()) / causal_pairs(tq, tk))
+        return ((runs + cols).mean().double() / causal_pairs(tq, tk)).clamp(max=1.0)
 
     def keep(self, pat: VerticalSlash, tq, tk):
         return vertical_slash_keep(pat, tq, tk)

@@ -46,12 +46,12 @@ class XAttentionPolicy(SparsePrefillPolicy):
         share = block_shares(q, k, scale, self.stride, self.block, self.chunk_rows)
         return select_blocks(share, self.threshold, q.shape[0], k.shape[0], self.block)
 
-    def kernel(self, q, k, v, blocks, scale):
-        return block_sparse_attention(q, k, v, blocks, self.block, scale)
+    def kernel(self, q, k, v, blocks, scale, skip=None):
+        return block_sparse_attention(q, k, v, blocks, self.block, scale, skip)
 
     def pattern_density(self, blocks, tq, tk):
         w = pair_weights(*blocks.shape[1:], self.block, tq, tk, blocks.device)
-        return float((blocks * w).sum()) / (blocks.shape[0] * causal_pairs(tq, tk))   # (the gate's one read)
+        return (blocks * w).sum().double() / (blocks.shape[0] * causal_pairs(tq, tk))
 
     def keep(self, blocks, tq, tk):
         return block_sparse_keep(blocks, self.block, tq, tk)

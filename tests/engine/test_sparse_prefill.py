@@ -141,6 +141,39 @@ def test_block_sparse_triton_equals_reference(dtype, tq, tk, b, bn):
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
+class _Unwritten:
+    """torch, except that new tensors come filled (NaN, or -7 for integers): what a kernel did not write shows."""
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty_like(self, x, **kw):
+        return torch.full_like(x, float("nan") if x.is_floating_point() else -7, **kw)
+
+    def empty(self, *shape, dtype=None, device=None):
+        return torch.full(shape, -7, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("kind", ["block-sparse", "vertical-slash"])
+def test_a_skipped_kernel_computes_nothing_and_an_unskipped_one_everything(kind, monkeypatch):
+    """The dense gate launches the kernel before reading its answer: with the flag set no program writes a thing."""
+    pytest.importorskip("triton")
+    from engine.ops import sparse_prefill
+    monkeypatch.setattr(sparse_prefill, "torch", _Unwritten())
+    q, k, v = (x.to(DEV) for x in inputs(64, 96))
+    if kind == "block-sparse":
+        blocks = torch.ones(4, 4, 6, dtype=torch.bool, device=DEV)
+        run = lambda skip: sparse_prefill.block_sparse_triton(q, k, v, blocks, 16, 0.25, block_n=16, skip=skip)  # noqa: E731
+        want = block_sparse_reference(q, k, v, blocks, 16, 0.25)[0]
+    else:
+        pat = VerticalSlash(sorted_pick(96, 4, 6, 1, forced=(0, 1)).to(DEV), sorted_pick(96, 4, 5, 2, forced=(0,)).to(DEV), 16)
+        run = lambda skip: sparse_prefill.vertical_slash_triton(q, k, v, pat, 0.25, block_n=16, skip=skip)  # noqa: E731
+        want = vertical_slash_reference(q, k, v, pat, 0.25)[0]
+    out, pairs = run(torch.tensor(True, device=DEV))
+    assert out.isnan().all() and pairs.cpu().tolist() == [-7 * 4] * 4
+    out, pairs = run(torch.tensor(False, device=DEV))
+    assert torch.allclose(out.float(), want.float(), atol=1e-4, rtol=1e-4) and (pairs > 0).all()
+
+
 @pytest.mark.parametrize("tq,tk,block", [(70, 70, 16), (45, 77, 16), (64, 64, 32), (1, 40, 8)])
 def test_block_pairs_counts_what_the_reference_computes(tq, tk, block):
     """FlexAttention's path counts its pairs from the table: the same numbers the masked reference computes."""

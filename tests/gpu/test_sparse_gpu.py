@@ -8,6 +8,7 @@ from engine import LLM, SamplingParams
 from engine.ops.sparse_prefill import (block_sparse_reference, block_sparse_triton, vertical_slash_reference,
                                        vertical_slash_triton)
 from engine.sparse import MInferencePolicy, XAttentionPolicy
+from engine.sparse.policy import SparsePolicy
 from engine.trace import TraceRecorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,6 +66,23 @@ def test_a_dense_pattern_runs_dense_on_the_gpu_and_says_why():
     st = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0].stats.policy_stats
     llm.close()
     assert st["sparse"] is False and "our GPU kernels are slower than dense attention" in st["reason"]
+
+
+@pytest.mark.parametrize("policy", [XAttentionPolicy(min_len=1024, threshold=0.3),
+                                    MInferencePolicy(min_len=1024, vertical=64, slash=16)])   # (slash runs 64 wide)
+def test_the_dense_gate_answers_as_dense_or_as_the_kernel(policy):
+    """The gate's answer is read after the kernel's launch (the kernel exits where it says dense): a layer over the
+    limit gives dense attention's output and says why, one under it the kernel's."""
+    q, k, v = _qkv(3000, 4133)
+    dense = SparsePolicy.prefill_attention(policy, q.clone(), k, v, 0, 0.08)
+    pattern = policy.estimate(q, k, 0.08)
+    policy.estimate = lambda *_: pattern            # (MInference's estimate adds atomically: ties may flip)
+    share = float(policy.pattern_density(pattern, 3000, 4133))
+    sparse = policy.kernel(q, k, v, pattern, 0.08)[0]
+    policy.gpu_dense_above = share * 0.99
+    assert torch.equal(policy.prefill_attention(q.clone(), k, v, 0, 0.08), dense) and 0 in policy.dense_reasons
+    policy.gpu_dense_above = min(share * 1.01, 0.999)
+    assert torch.equal(policy.prefill_attention(q.clone(), k, v, 0, 0.08), sparse) and 0 not in policy.dense_reasons
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])      # fp32: tiles that fit its shared memory
