@@ -115,16 +115,18 @@ def test_vertical_slash_triton_equals_reference(dtype, tq, tk):
     pat = VerticalSlash(sorted_pick(tk, 4, 6, 1, forced=(0, 1)).to(DEV), sorted_pick(tk, 4, 5, 2, forced=(0,)).to(DEV), 16)
     want, want_pairs = vertical_slash_reference(q, kt, v, pat, 0.25)
     got, pairs = vertical_slash_triton(q, kt, v, pat, 0.25, block_n=16)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = (1e-4 if DEV == "cpu" else 2e-3) if dtype == torch.float32 else 2e-2   # (CUDA fp32 dots: tf32)
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tq,tk,b,bn", [(45, 77, 16, 16), (64, 96, 32, 16), (96, 96, 32, 32)])
-def test_block_sparse_triton_equals_reference(dtype, tq, tk, b, bn):
+def test_block_sparse_triton_equals_reference(dtype, tq, tk, b, bn, tma):
     """Ragged last query and key blocks, a block in two tiles, whole blocks before every row (unmasked) and the
-    diagonal (masked), a query block with no kept key block."""
+    diagonal (masked), a query block with no kept key block; K/V tiles by pointers and by TMA descriptors (the
+    interpreter reads them too; out of range rows read zeros)."""
     pytest.importorskip("triton")
     from engine.ops.sparse_prefill import block_sparse_triton
     q, k, v = (x.to(DEV, dtype) for x in inputs(tq, tk))
@@ -135,8 +137,8 @@ def test_block_sparse_triton_equals_reference(dtype, tq, tk, b, bn):
     blocks[1, 0] = False
     blocks = blocks.to(DEV)
     want, want_pairs = block_sparse_reference(q, k, v, blocks, b, 0.25)
-    got, pairs = block_sparse_triton(q, k, v, blocks, b, 0.25, block_n=bn)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    got, pairs = block_sparse_triton(q, k, v, blocks, b, 0.25, block_n=bn, tma=tma)
+    tol = (1e-4 if DEV == "cpu" else 2e-3) if dtype == torch.float32 else 2e-2   # (CUDA fp32 dots: tf32)
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     assert pairs.cpu().tolist() == want_pairs.tolist()
 
@@ -171,7 +173,8 @@ def test_a_skipped_kernel_computes_nothing_and_an_unskipped_one_everything(kind,
     out, pairs = run(torch.tensor(True, device=DEV))
     assert out.isnan().all() and pairs.cpu().tolist() == [-7 * 4] * 4
     out, pairs = run(torch.tensor(False, device=DEV))
-    assert torch.allclose(out.float(), want.float(), atol=1e-4, rtol=1e-4) and (pairs > 0).all()
+    tol = 1e-4 if DEV == "cpu" else 2e-3                                  # (CUDA fp32 dots: tf32)
+    assert torch.allclose(out.float(), want.float(), atol=tol, rtol=tol) and (pairs > 0).all()
 
 
 @pytest.mark.parametrize("tq,tk,block", [(70, 70, 16), (45, 77, 16), (64, 64, 32), (1, 40, 8)])
