@@ -46,7 +46,8 @@ def block_shares_reference(q: torch.Tensor, k: torch.Tensor, scale: float, strid
     cells = b // s                                                           # strided rows per block
     share = torch.zeros(hq, nqb, nkb, dtype=torch.float32, device=q.device)
     kpos = torch.arange(nkb * cells, device=q.device) * s                    # first key of each strided column
-    qb_per_chunk = max(1, chunk_rows // cells)
+    qb_per_chunk = max(1, chunk_rows // b)          # (query rows, as the spec says: it had counted strided rows, so a
+                                                    # chunk held S times as many and never cut a 7K prompt's square)
     for h in range(hkv):          # (the keys of each cell reversed, not the queries: a third of the copying)
         kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s, d).flip(1).reshape(nkb * cells, s * d)
         for m0 in range(0, nqb, qb_per_chunk):

@@ -33,6 +33,24 @@ def test_minference_estimate_finds_a_planted_column_and_keeps_forced_ones():
     assert all(150 in pat.vertical[h].tolist() for h in (0, 1))           # the heads of kv head 0 see it
 
 
+@pytest.mark.parametrize("tq,tk", [(100, 300), (40, 40)])
+def test_minference_slashes_are_the_diagonals_with_most_attention(tq, tk):
+    """The kept diagonals are the top ones by the definition: the last queries' softmax summed along each
+    diagonal d = query position - key position (written out entry by entry), the recent ones forced."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(tq, 4, 16, generator=g), torch.randn(tk, 2, 16, generator=g)
+    pol = MInferencePolicy(min_len=1, vertical=12, slash=20, last_q=32, sink=4, recent=6, block=16)
+    n, pos = min(32, tq), range(tk - min(32, tq), tk)
+    want = torch.zeros(4, tk)
+    for h in range(4):
+        for i, p in enumerate(pos):
+            a = (q[tq - n + i, h] @ k[:p + 1, h // 2].T * 0.25).softmax(-1)
+            for c in range(p + 1):
+                want[h, p - c] += a[c]
+    want[:, :6] = float("inf")
+    assert torch.equal(pol.estimate(q, k, 0.25).slash, want.topk(20, dim=1).indices.sort(dim=1).values.int())
+
+
 def test_minference_fraction_budgets_scale_with_length():
     pol = MInferencePolicy(vertical=0.1, slash=0.25, sink=4, recent=8)
     assert pol.budgets(1000) == (100, 250)
