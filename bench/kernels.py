@@ -15,7 +15,8 @@ import statistics
 import torch
 
 from engine.ops.attention import causal_attention
-from engine.ops.sparse_prefill import VerticalSlash, block_sparse_triton, causal_pairs, vertical_slash_triton
+from engine.ops.sparse_prefill import VerticalSlash, causal_pairs
+from engine.ops.sparse_triton import block_sparse_triton, vertical_slash_triton
 from engine.sparse import MInferencePolicy, XAttentionPolicy
 
 

@@ -7,7 +7,7 @@ import torch
 
 from bench.kernels import _band_blocks, _time_ms, _vs_pattern
 from engine.ops.attention import causal_attention
-from engine.ops.sparse_prefill import block_sparse_triton, vertical_slash_triton
+from engine.ops.sparse_triton import block_sparse_triton, vertical_slash_triton
 from engine.ops.xattn_estimate import block_shares_reference, block_shares_triton
 
 tk = int(sys.argv[1]) if len(sys.argv) > 1 else 32768

@@ -1,6 +1,6 @@
 """Block-sparse prefill attention through FlexAttention (torch >= 2.5, CUDA), timed beside our Triton kernel.
 
-`python -m bench --kernels` puts it beside engine/ops/sparse_prefill.py's block-sparse kernel. It was XAttention's
+`python -m bench --kernels` puts it beside engine/ops/sparse_triton.py's block-sparse kernel. It was XAttention's
 kernel on the GPU while ours was slower (H100, density 0.07: 0.45x / 0.65-0.71x dense SDPA's pace at 32K / 128K
 against 0.35x / 0.49x); ours now matches or beats it below density ~0.15 and runs without its ~3 s compile per
 process (compiled once with dynamic shapes), so XAttention runs ours. `block_pairs` (the pairs a block table

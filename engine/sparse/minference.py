@@ -8,7 +8,7 @@ and the `recent` nearest diagonals always. A budget of at most 1 is a fraction o
 otherwise a count. Below `min_len` keys the layer runs dense. The estimate runs one kv head (its G query heads) at a time:
 its memory is G x last_q x Tk floats (128 MiB at 128K tokens, G = 4), never all heads at once.
 
-The pattern runs in engine.ops.sparse_prefill's Triton kernel on CUDA and engine.ops.sparse_gather elsewhere,
+The pattern runs in engine.ops.sparse_triton's kernel on CUDA and engine.ops.sparse_gather elsewhere,
 both counting the pairs each head computed; the kept columns and diagonals and that density go to the trace per
 (layer, head). Where running it would not pay, the layer runs dense and says why (engine/sparse/policy.py).
 """

@@ -13,7 +13,7 @@ its cell once, so a vertical or a slash line inside a block shows up in its scor
 
 The shares come from engine.ops.xattn_estimate (one Triton launch on CUDA; elsewhere per kv head and chunk of
 query blocks in torch, memory G x chunk x Tk/S floats); the selection [Hq, Tq/B, Tk/B] runs in
-engine.ops.sparse_prefill's block-sparse kernel on CUDA, engine.ops.sparse_gather elsewhere.
+engine.ops.sparse_triton's block-sparse kernel on CUDA, engine.ops.sparse_gather elsewhere.
 """
 from __future__ import annotations
 

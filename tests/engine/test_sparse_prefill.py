@@ -109,7 +109,7 @@ def test_groups_and_coverage():
 @pytest.mark.parametrize("tq,tk", [(70, 70), (45, 77)])
 def test_vertical_slash_triton_equals_reference(dtype, tq, tk):
     pytest.importorskip("triton")
-    from engine.ops.sparse_prefill import vertical_slash_triton
+    from engine.ops.sparse_triton import vertical_slash_triton
     q, k, v = (x.to(DEV, dtype) for x in inputs(tq, tk))
     kt = k.transpose(0, 1).contiguous().transpose(0, 1)     # head-major storage, as the layerwise buffers give
     pat = VerticalSlash(sorted_pick(tk, 4, 6, 1, forced=(0, 1)).to(DEV), sorted_pick(tk, 4, 5, 2, forced=(0,)).to(DEV), 16)
@@ -128,7 +128,7 @@ def test_block_sparse_triton_equals_reference(dtype, tq, tk, b, bn, tma):
     diagonal (masked), a query block with no kept key block; K/V tiles by pointers and by TMA descriptors (the
     interpreter reads them too; out of range rows read zeros)."""
     pytest.importorskip("triton")
-    from engine.ops.sparse_prefill import block_sparse_triton
+    from engine.ops.sparse_triton import block_sparse_triton
     q, k, v = (x.to(DEV, dtype) for x in inputs(tq, tk))
     g = torch.Generator().manual_seed(4)
     nq, nk = -(-tq // b), -(-tk // b)
@@ -159,16 +159,16 @@ class _Unwritten:
 def test_a_skipped_kernel_computes_nothing_and_an_unskipped_one_everything(kind, monkeypatch):
     """The dense gate launches the kernel before reading its answer: with the flag set no program writes a thing."""
     pytest.importorskip("triton")
-    from engine.ops import sparse_prefill
-    monkeypatch.setattr(sparse_prefill, "torch", _Unwritten())
+    from engine.ops import sparse_triton
+    monkeypatch.setattr(sparse_triton, "torch", _Unwritten())
     q, k, v = (x.to(DEV) for x in inputs(64, 96))
     if kind == "block-sparse":
         blocks = torch.ones(4, 4, 6, dtype=torch.bool, device=DEV)
-        run = lambda skip: sparse_prefill.block_sparse_triton(q, k, v, blocks, 16, 0.25, block_n=16, skip=skip)  # noqa: E731
+        run = lambda skip: sparse_triton.block_sparse_triton(q, k, v, blocks, 16, 0.25, block_n=16, skip=skip)  # noqa: E731
         want = block_sparse_reference(q, k, v, blocks, 16, 0.25)[0]
     else:
         pat = VerticalSlash(sorted_pick(96, 4, 6, 1, forced=(0, 1)).to(DEV), sorted_pick(96, 4, 5, 2, forced=(0,)).to(DEV), 16)
-        run = lambda skip: sparse_prefill.vertical_slash_triton(q, k, v, pat, 0.25, block_n=16, skip=skip)  # noqa: E731
+        run = lambda skip: sparse_triton.vertical_slash_triton(q, k, v, pat, 0.25, block_n=16, skip=skip)  # noqa: E731
         want = vertical_slash_reference(q, k, v, pat, 0.25)[0]
     out, pairs = run(torch.tensor(True, device=DEV))
     assert out.isnan().all() and pairs.cpu().tolist() == [-7 * 4] * 4

@@ -5,8 +5,8 @@ import torch
 
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
-from engine.ops.sparse_prefill import (block_sparse_reference, block_sparse_triton, vertical_slash_reference,
-                                       vertical_slash_triton)
+from engine.ops.sparse_prefill import block_sparse_reference, vertical_slash_reference
+from engine.ops.sparse_triton import block_sparse_triton, vertical_slash_triton
 from engine.sparse import MInferencePolicy, XAttentionPolicy
 from engine.sparse.policy import SparsePolicy
 from engine.trace import TraceRecorder
