@@ -390,16 +390,3 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         """q [Hq, D] -> each of the pool pages' `pages` [n] score per query head [Hkv, G, n], -inf where not
         `valid` (engine/sparse/page_index.py)."""
         return self.index.scores(layer, q, pages, valid)
-
-    # ---------------------------------------------------------------- figures
-    def stats(self) -> dict:
-        out = {"token_budget": self.token_budget, "page_size": self.page_size, "rank": self.rank,
-               "bound_tokens": 0 if self.rank else self.bound_tokens,
-               "sink": self.sink, "window": self.window, "pages_per_head": self.k, "dense_layers": self.dense_layers,
-               "selections": self.selections, "sparse": self.plans > 0,
-               "fetched_pages_per_step": self.fetched / self.fixes if self.fixes else 0.0,
-               "fetched_ahead_pages_per_step": self.fetched_ahead / self.fixes if self.fixes else 0.0,
-               "speculating_layers": sum(self._speculate[l] for l in self._chosen), "choosing_layers": len(self._chosen)}
-        if not out["sparse"]:
-            out["reason"] = self.dense_reason or "no decode step attended to part of the context"
-        return out | self._recall_stats()

@@ -1,7 +1,7 @@
 """What Quest reports, a base of QuestPolicy (engine/sparse/quest.py) that reads the policy's layout, budget and
 slots: with `recall` on, the true attention mass on what each sparse step attended to and on what its speculation
 had loaded (from the layer's whole K); each step's figures for its trace (recall, pages fetched, pages kept: the
-policy gathers them in `_step`); and the recall part of a request's stats (gathered in `_recall`)."""
+policy gathers them in `_step`); and a request's stats, recall included (gathered in `_recall`)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,19 @@ from engine.step import StepContext
 
 
 class QuestFigures:
+    def stats(self) -> dict:
+        """The request's figures: the budget's accounting, selections, pages fetched per step, and recall."""
+        out = {"token_budget": self.token_budget, "page_size": self.page_size, "rank": self.rank,
+               "bound_tokens": 0 if self.rank else self.bound_tokens,
+               "sink": self.sink, "window": self.window, "pages_per_head": self.k, "dense_layers": self.dense_layers,
+               "selections": self.selections, "sparse": self.plans > 0,
+               "fetched_pages_per_step": self.fetched / self.fixes if self.fixes else 0.0,
+               "fetched_ahead_pages_per_step": self.fetched_ahead / self.fixes if self.fixes else 0.0,
+               "speculating_layers": sum(self._speculate[l] for l in self._chosen), "choosing_layers": len(self._chosen)}
+        if not out["sparse"]:
+            out["reason"] = self.dense_reason or "no decode step attended to part of the context"
+        return out | self._recall_stats()
+
     def _measure_recall(self, layer: int, q: torch.Tensor, old: torch.Tensor, end: int, ctx: StepContext) -> None:
         """The true attention mass on what this step attended to (the speculation as corrected: what its rows
         hold) and on what was loaded before the layer's own query corrected it (`old`: the slots then), from the
