@@ -3,8 +3,8 @@
 `python -m bench --kernels` puts it beside engine/ops/sparse_triton.py's block-sparse kernel. It was XAttention's
 kernel on the GPU while ours was slower (H100, density 0.07: 0.45x / 0.65-0.71x dense SDPA's pace at 32K / 128K
 against 0.35x / 0.49x); ours now matches or beats it below density ~0.15 and runs without its ~3 s compile per
-process (compiled once with dynamic shapes), so XAttention runs ours. `block_pairs` (the pairs a block table
-computes) is used by both.
+process (compiled once with dynamic shapes), so XAttention runs ours. Both count the pairs a block table computes
+with engine/ops/sparse_prefill.py's `block_pairs`.
 
 Our table `blocks` [Hq, nQB, nKB] (query block m: q rows [m*B, (m+1)*B); key block n: keys [n*B, (n+1)*B))
 becomes a BlockMask of B x B blocks: the kept key blocks wholly before a query block's first row are "full"
@@ -13,12 +13,11 @@ Tk - Tq + i). The pairs computed per head are counted from the table, exactly.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
-from engine.ops.sparse_prefill import kept_first
+from engine.ops.sparse_prefill import block_pairs, kept_first
 
 _compiled = None
 _FORWARD_ONLY = False     # BlockMask.from_kv_blocks takes compute_q_blocks (torch >= 2.6)
@@ -42,29 +41,6 @@ def _indices(keep: torch.Tensor):
     """[Hq, nQB, nKB] bool -> (counts [1, Hq, nQB], indices [1, Hq, nQB, nKB]) int32, kept blocks first."""
     cnt, idx = kept_first(keep, keep.shape[-1])
     return cnt[None], idx[None]
-
-
-def block_pairs(blocks: torch.Tensor, block: int, tq: int, tk: int) -> torch.Tensor:
-    """Causal (query, key) pairs inside the kept blocks, per head [Hq] int64."""
-    return (blocks * pair_weights(*blocks.shape[1:], block, tq, tk, blocks.device)).sum(dim=(1, 2))
-
-
-@functools.lru_cache(maxsize=4)
-def pair_weights(nqb: int, nkb: int, block: int, tq: int, tk: int, device: torch.device) -> torch.Tensor:
-    """Causal pairs in each block (m, n) [nQB, nKB] int64, made once per prompt shape (XAttention's dense gate
-    weighs each layer's table with it: two kernels, where building it took ~15). In block (m, n) row i sees
-    clamp(a + i, 0, w) keys (a = Tk - Tq + (m - n) * B + 1, w = the key block's width): summed over the R rows,
-    S(a + R - 1) - S(a - 1) with S(t) = sum of min(j, w) for j = 1..t."""
-    m = torch.arange(nqb, device=device)[:, None]
-    n = torch.arange(nkb, device=device)[None]
-    rows = torch.clamp((m + 1) * block, max=tq) - m * block
-    w = torch.clamp((n + 1) * block, max=tk) - n * block
-    a = (tk - tq) + (m - n) * block + 1
-
-    def s(t):
-        t = t.clamp(min=0)
-        return torch.where(t <= w, t * (t + 1) // 2, w * (w + 1) // 2 + (t - w) * w)
-    return s(a + rows - 1) - s(a - 1)
 
 
 def block_sparse_flex(q, k, v, blocks: torch.Tensor, block: int, scale: float):

@@ -21,6 +21,7 @@ Block-sparse: (row r, key c) is computed iff c <= r and key block c // B is sele
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,29 @@ def causal_pairs(tq: int, tk: int) -> int:
     """(query, key) pairs of dense causal attention for the last tq of tk positions."""
     off = tk - tq
     return tq * (off + 1) + tq * (tq - 1) // 2
+
+
+def block_pairs(blocks: torch.Tensor, block: int, tq: int, tk: int) -> torch.Tensor:
+    """Causal (query, key) pairs inside the kept blocks, per head [Hq] int64."""
+    return (blocks * pair_weights(*blocks.shape[1:], block, tq, tk, blocks.device)).sum(dim=(1, 2))
+
+
+@functools.lru_cache(maxsize=4)
+def pair_weights(nqb: int, nkb: int, block: int, tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """Causal pairs in each block (m, n) [nQB, nKB] int64, made once per prompt shape (XAttention's dense gate
+    weighs each layer's table with it: two kernels, where building it took ~15). In block (m, n) row i sees
+    clamp(a + i, 0, w) keys (a = Tk - Tq + (m - n) * B + 1, w = the key block's width): summed over the R rows,
+    S(a + R - 1) - S(a - 1) with S(t) = sum of min(j, w) for j = 1..t."""
+    m = torch.arange(nqb, device=device)[:, None]
+    n = torch.arange(nkb, device=device)[None]
+    rows = torch.clamp((m + 1) * block, max=tq) - m * block
+    w = torch.clamp((n + 1) * block, max=tk) - n * block
+    a = (tk - tq) + (m - n) * block + 1
+
+    def s(t):
+        t = t.clamp(min=0)
+        return torch.where(t <= w, t * (t + 1) // 2, w * (w + 1) // 2 + (t - w) * w)
+    return s(a + rows - 1) - s(a - 1)
 
 
 def _block_last(nqb: int, block: int, tq: int, tk: int, device) -> torch.Tensor:

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.ops.flex_sparse import pair_weights
-from engine.ops.sparse_prefill import block_sparse_attention, block_sparse_keep, causal_pairs
+from engine.ops.sparse_prefill import block_pairs, block_sparse_attention, block_sparse_keep, causal_pairs
 from engine.ops.xattn_estimate import block_shares, select_blocks
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
@@ -50,8 +49,7 @@ class XAttentionPolicy(SparsePrefillPolicy):
         return block_sparse_attention(q, k, v, blocks, self.block, scale, skip)
 
     def pattern_density(self, blocks, tq, tk):
-        w = pair_weights(*blocks.shape[1:], self.block, tq, tk, blocks.device)
-        return (blocks * w).sum().double() / (blocks.shape[0] * causal_pairs(tq, tk))
+        return block_pairs(blocks, self.block, tq, tk).sum().double() / (blocks.shape[0] * causal_pairs(tq, tk))
 
     def keep(self, blocks, tq, tk):
         return block_sparse_keep(blocks, self.block, tq, tk)

@@ -180,7 +180,7 @@ def test_a_skipped_kernel_computes_nothing_and_an_unskipped_one_everything(kind,
 @pytest.mark.parametrize("tq,tk,block", [(70, 70, 16), (45, 77, 16), (64, 64, 32), (1, 40, 8)])
 def test_block_pairs_counts_what_the_reference_computes(tq, tk, block):
     """FlexAttention's path counts its pairs from the table: the same numbers the masked reference computes."""
-    from engine.ops.flex_sparse import block_pairs
+    from engine.ops.sparse_prefill import block_pairs
     q, k, v = inputs(tq, tk)
     blocks = torch.rand(4, -(-tq // block), -(-tk // block), generator=torch.Generator().manual_seed(3)) < 0.5
     assert block_pairs(blocks, block, tq, tk).tolist() == block_sparse_reference(q, k, v, blocks, block, 0.3)[1].tolist()
