@@ -39,6 +39,7 @@ class VerticalSlash:
     vertical: torch.Tensor   # [Hq, NV] int32 key positions, sorted
     slash: torch.Tensor      # [Hq, NS] int32 diagonals, sorted
     block: int               # BM: query rows per block (and the run length of a diagonal)
+    reach: torch.Tensor | None = None   # [2, Hq] int64: queries its columns / runs reach, where the selection counted them
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Merged runs: d_lo, d_hi [Hq, NS] int32 sorted, padded with a large value past each head's groups (as

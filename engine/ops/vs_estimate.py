@@ -34,8 +34,8 @@ _LOG2E = 1.4426950408889634
 _SPLITS = 32             # key splits of the stats pass (the scores pass combines them)
 
 
-def vs_scores_reference(q: torch.Tensor, k: torch.Tensor, scale: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> (col, diag), each [Hq, Tk] float32, for the
+def vs_scores_reference(q: torch.Tensor, k: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+    """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> [2, Hq, Tk] float32: (col, diag) of the
     last n queries (see the module docstring). Memory: G x n x Tk floats at a time (one kv head)."""
     tk, hkv, hq = k.shape[0], k.shape[1], q.shape[1]
     g = hq // hkv
@@ -43,14 +43,14 @@ def vs_scores_reference(q: torch.Tensor, k: torch.Tensor, scale: float, n: int) 
     cols = torch.arange(tk, device=q.device)
     future = cols[None] > pos[:, None]                                    # [n, Tk]
     diag = (pos[:, None] - cols[None]).clamp_(min=0).flatten()            # [n * Tk]: each entry's diagonal
-    col_score = torch.empty(hq, tk, dtype=torch.float32, device=q.device)
-    diag_score = torch.zeros(hq, tk, dtype=torch.float32, device=q.device)
+    scores = torch.zeros(2, hq, tk, dtype=torch.float32, device=q.device)
+    col_score, diag_score = scores
     for h in range(hkv):
         qh = q[-n:, h * g:(h + 1) * g].transpose(0, 1)                   # [G, n, D]
         a = (qh @ k[:, h].T).float().mul_(scale).masked_fill_(future, float("-inf")).softmax(dim=-1)
         col_score[h * g:(h + 1) * g] = a.sum(dim=1)
         diag_score[h * g:(h + 1) * g].scatter_add_(1, diag.expand(g, -1), a.flatten(1))
-    return col_score, diag_score
+    return scores
 
 
 if triton is not None:
@@ -106,7 +106,7 @@ if triton is not None:
         m_i = tl.max(ms, 1)
         m_i = tl.where(ok, m_i, 0.0)
         l_i = tl.sum(ls * tl.exp2(ms - m_i[:, None]), 1)
-        inv = tl.where(ok, 1.0 / l_i, 0.0)
+        inv = tl.where(ok, 1.0 / tl.where(ok, l_i, 1.0), 0.0)
         pos = tk - n + r
         d0 = db * BD
         c = tl.arange(0, BW)
@@ -126,7 +126,7 @@ if triton is not None:
 
 
 def vs_scores_triton(q: torch.Tensor, k: torch.Tensor, scale: float, n: int, block_n: int = 128,
-                     num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_warps: int = 4) -> torch.Tensor:
     """The two Triton launches (see the module docstring); rows in tiles of 64, diagonals in blocks of 64."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("minference estimate kernel: q and k need contiguous last dims")
@@ -138,8 +138,8 @@ def vs_scores_triton(q: torch.Tensor, k: torch.Tensor, scale: float, n: int, blo
     l = torch.empty_like(m)
     m.fill_(float("-inf"))
     l.zero_()
-    col = torch.zeros(hq, tk, dtype=torch.float32, device=q.device)
-    diag = torch.zeros(hq, tk, dtype=torch.float32, device=q.device)
+    scores = torch.zeros(2, hq, tk, dtype=torch.float32, device=q.device)
+    col, diag = scores
     common = dict(G=hq // k.shape[1], BM=bm, D=d, DP=max(16, triton.next_power_of_2(d)), NS=_SPLITS,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
     qk = scale * _LOG2E
@@ -147,11 +147,112 @@ def vs_scores_triton(q: torch.Tensor, k: torch.Tensor, scale: float, n: int, blo
                                                     k.stride(0), k.stride(1), BN=block_n, **common)
     _scores_kernel[(hq, rt, triton.cdiv(tk, bd))](q, k, m, l, col, diag, n, tq, tk, qk, q.stride(0), q.stride(1),
                                                    k.stride(0), k.stride(1), BD=bd, BW=bm + bd, **common)
-    return col, diag
+    return scores
 
 
-def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(col, diag) scores: the Triton kernels on CUDA, the torch form elsewhere."""
+if triton is not None:
+    @triton.jit
+    def _keys_of(row, i, tk, forced):
+        """Scores as ordered int32 keys (non-negative floats order as their bits); forced ones +inf, padding -1."""
+        x = tl.load(row + i, mask=i < tk, other=0.0)
+        key = tl.where(i < forced, 0x7F800000, x.to(tl.int32, bitcast=True))
+        return tl.where(i < tk, key, -1)
+
+    @triton.jit
+    def _reach_to(t, tq, tk):
+        """R(t) = sum over offsets u = 0..t of min(tq, tk - u) (queries a diagonal or column at u reaches), int64."""
+        t = t.to(tl.int64)
+        off = tk - tq
+        tail = off * tq + (tq * (tq + 1) - (tk - t - 1) * (tk - t)) // 2
+        return tl.where(t < 0, 0, tl.where(t < off, (t + 1) * tq, tail))
+
+    @triton.jit(do_not_specialize=["tq", "tk", "nv", "ns", "sink", "recent"])
+    def _select_kernel(SC, OUT, REACH, tq, tk, nv, ns, sink, recent, s_w, s_h, o_w, o_h,
+                       BM: tl.constexpr, CH: tl.constexpr):
+        h, w = tl.program_id(0), tl.program_id(1)                       # w: 0 the columns, 1 the diagonals
+        want = tl.where(w == 0, nv, ns)
+        forced = tl.where(w == 0, sink, recent)
+        row = SC + w.to(tl.int64) * s_w + h.to(tl.int64) * s_h
+        out = OUT + w.to(tl.int64) * o_w + h.to(tl.int64) * o_h
+        bins = tl.arange(0, 256)
+        prefix = tl.sum(bins * 0, 0)                                   # (int32 scalars)
+        high = prefix
+        left = want + prefix                                           # how many still to take at or below prefix
+        for step in tl.static_range(4):                                # radix select, 8 bits at a time
+            shift = 24 - 8 * step
+            hist = bins * 0
+            for c0 in range(0, tk, CH):
+                key = _keys_of(row, c0 + tl.arange(0, CH), tk, forced)
+                match = ((key & high) == prefix) & (key >= 0)
+                got = tl.histogram(tl.where(match, (key >> shift) & 255, 0), 256)
+                hist += got - tl.where(bins == 0, CH - tl.sum(match.to(tl.int32), 0), 0)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist     # keys with this digit or a larger one
+            digit = tl.max(tl.where(at_least >= left, bins, -1), 0)
+            left -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+            prefix = prefix | (digit << shift)
+            high = high | ((255 << shift) & 0x7FFFFFFF)                  # (keys are non-negative int32)
+        taken = prefix * 0                                             # prefix is now the want-th largest key
+        ties = taken
+        for c0 in range(0, tk, CH):                                     # the kept ones, in index order
+            i = c0 + tl.arange(0, CH)
+            key = _keys_of(row, i, tk, forced)
+            eq = key == prefix
+            keep = (key > prefix) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) - 1 < left))
+            tl.store(out + taken + tl.cumsum(keep.to(tl.int32), 0) - 1, i, mask=keep)
+            taken += tl.sum(keep.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+        tl.debug_barrier()                                              # (this program's stores, read back below)
+        total = tl.sum(tl.zeros((CH,), tl.int64), 0)
+        for k0 in range(0, want, CH):                                   # the queries they reach
+            k = k0 + tl.arange(0, CH)
+            inside = k < want
+            s = tl.load(out + k, mask=inside, other=0)
+            before = tl.load(out + k - 1, mask=inside & (k > 0), other=-1)   # the previous kept diagonal
+            lo = tl.maximum(tl.maximum(s - BM + 1, before + 1), 0)     # its run's offsets no earlier run covered
+            run = _reach_to(s, tq, tk) - _reach_to(lo - 1, tq, tk)
+            col = tl.minimum(tq, tk - s).to(tl.int64)
+            total += tl.sum(tl.where(inside, tl.where(w == 0, col, run), 0), 0)
+        tl.store(REACH + w * tl.num_programs(0) + h, total)
+
+
+def vs_select_reference(scores: torch.Tensor, nv: int, ns: int, sink: int, recent: int):
+    """The torch form of the selection (a stable sort: equal scores in index order) -> (vertical, slash)."""
+    col, diag = scores.clone()
+    col[:, :sink] = float("inf")
+    diag[:, :recent] = float("inf")
+
+    def pick(x, n):
+        return x.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values.int()
+    return pick(col, nv), pick(diag, ns)
+
+
+def vs_select(scores: torch.Tensor, nv: int, ns: int, sink: int, recent: int, block: int,
+              tq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """scores [2, Hq, Tk] (columns, diagonals) -> the kept ones, sorted: the nv largest columns and ns largest
+    diagonals of each head, the first `sink` columns and `recent` diagonals always, equal scores taken in index
+    order. On CUDA one launch (a program per head and kind: a radix select, 8 bits a pass, then the kept ones in
+    order; torch's topk and sorts were ~0.6 ms of host-bound launches per layer on the H100), which also sums the
+    queries they reach, [2, Hq] int64: per kept column min(tq, Tk - c), and over the offsets the diagonals' runs
+    of `block` cover min(tq, Tk - t), as `VerticalSlash.covered` counts them (None elsewhere). Returns
+    (vertical [Hq, nv], slash [Hq, ns] int32, reach)."""
+    if not (scores.is_cuda and triton is not None):
+        return (*vs_select_reference(scores, nv, ns, sink, recent), None)
+    return vs_select_triton(scores, nv, ns, sink, recent, block, tq)
+
+
+def vs_select_triton(scores: torch.Tensor, nv: int, ns: int, sink: int, recent: int, block: int, tq: int,
+                     chunk: int = 4096, num_warps: int = 8):
+    scores = scores.contiguous()
+    _, hq, tk = scores.shape
+    out = torch.empty(2, hq, max(nv, ns), dtype=torch.int32, device=scores.device)
+    reach = torch.empty(2, hq, dtype=torch.int64, device=scores.device)
+    _select_kernel[(hq, 2)](scores, out, reach, tq, tk, nv, ns, min(sink, nv), min(recent, ns), scores.stride(0),
+                            scores.stride(1), out.stride(0), out.stride(1), BM=block, CH=chunk, num_warps=num_warps)
+    return out[0, :, :nv], out[1, :, :ns], reach
+
+
+def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+    """[2, Hq, Tk] (col, diag) scores: the Triton kernels on CUDA, the torch form elsewhere."""
     if q.is_cuda and triton is not None:
         return vs_scores_triton(q if q.stride(-1) == 1 else q.contiguous(), k if k.stride(-1) == 1 else k.contiguous(),
                                 scale, n)

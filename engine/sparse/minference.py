@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.sparse_prefill import VerticalSlash, causal_pairs, vertical_slash_attention, vertical_slash_keep
-from engine.ops.vs_estimate import vs_scores
+from engine.ops.vs_estimate import vs_scores, vs_select
 from engine.sparse.policy import SparsePrefillPolicy
 from engine.sparse.specs import SPECS
 
@@ -50,13 +50,10 @@ class MInferencePolicy(SparsePrefillPolicy):
     def estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> VerticalSlash:
         """q [Tq, Hq, D] (the last Tq of Tk positions), k [Tk, Hkv, D] -> the pattern per query head."""
         tk = k.shape[0]
-        col_score, diag_score = vs_scores(q, k, scale, min(self.last_q, q.shape[0]))
+        scores = vs_scores(q, k, scale, min(self.last_q, q.shape[0]))
         nv, ns = self.budgets(tk)
-        col_score[:, :self.sink] = float("inf")
-        diag_score[:, :self.recent] = float("inf")
-        vertical = col_score.topk(nv, dim=1, sorted=False).indices.sort(dim=1).values.int()   # (unsorted: 0.57 ->
-        slash = diag_score.topk(ns, dim=1, sorted=False).indices.sort(dim=1).values.int()     # 0.36 ms, H100)
-        return VerticalSlash(vertical, slash, self.block)
+        vertical, slash, reach = vs_select(scores, nv, ns, self.sink, self.recent, self.block, q.shape[0])
+        return VerticalSlash(vertical, slash, self.block, reach)
 
     def kernel(self, q, k, v, pat: VerticalSlash, scale, skip=None):
         return vertical_slash_attention(q, k, v, pat, scale, skip)
@@ -64,6 +61,8 @@ class MInferencePolicy(SparsePrefillPolicy):
     def pattern_density(self, pat: VerticalSlash, tq, tk):
         """About the share the pattern keeps (within a few percent): each distance t a slash run covers reaches
         min(tq, tk - t) queries, each vertical column c min(tq, tk - c) (overlaps counted twice)."""
+        if pat.reach is not None:
+            return (pat.reach.sum(dim=0).double().mean() / causal_pairs(tq, tk)).clamp(max=1.0)
         reach = torch.clamp(tk - torch.arange(tk, device=pat.slash.device), max=tq).float()
         runs = pat.covered(tk)[:, pat.block - 1:pat.block - 1 + tk].float() @ reach
         cols = reach[pat.vertical.long()].sum(dim=1)

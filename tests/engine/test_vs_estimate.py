@@ -75,3 +75,23 @@ def test_triton_keeps_the_same_columns_and_diagonals_in_bf16():
         top = set(got[0].topk(20).indices.tolist())
         assert len(top & set(want[0].topk(20).indices.tolist())) >= 18
         assert torch.allclose(got, want, atol=2e-2)
+
+
+@pytest.mark.parametrize("tq,tk,nv,ns,sink,recent,block", [
+    (2500, 3000, 100, 700, 4, 50, 64),      # ragged chunks, a cached prefix, many equal scores
+    (300, 300, 300, 40, 4, 8, 16),          # every column kept
+    (700, 1100, 9, 1100, 30, 1, 64),        # forced ones beyond what the scores would pick; every diagonal
+])
+def test_select_kernel_equals_the_sorted_rule_and_counts_the_reach(tq, tk, nv, ns, sink, recent, block):
+    from engine.ops.sparse_prefill import VerticalSlash
+    from engine.ops.vs_estimate import vs_select_reference, vs_select_triton
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.randint(0, 40, (2, 3, tk), generator=g).float() / 7).to(DEV)   # ties everywhere; zeros
+    vertical, slash, reach = vs_select_triton(scores, nv, ns, sink, recent, block, tq)
+    want_v, want_s = vs_select_reference(scores, nv, ns, sink, recent)
+    assert torch.equal(vertical, want_v) and torch.equal(slash, want_s)
+    pat = VerticalSlash(want_v, want_s, block)                                  # the torch count of the same
+    per_offset = torch.clamp(tk - torch.arange(tk, device=DEV), max=tq)
+    runs = (pat.covered(tk)[:, block - 1:block - 1 + tk].long() * per_offset).sum(dim=1)
+    cols = per_offset[want_v.long()].sum(dim=1)
+    assert torch.equal(reach[0], cols) and torch.equal(reach[1], runs)
