@@ -146,6 +146,7 @@ class ProcessWorker(WorkerBase):
         self._quiet = False                                # a restart's own load: no busy signals to the window
         self._loaded: dict = {}                            # the last engine config and document the child had
         self.backlog = 0                                   # the last request's most messages queued in the child
+        self._watching = True                              # what a restarted child is told
         self._start()
 
     @property
@@ -171,6 +172,11 @@ class ProcessWorker(WorkerBase):
     @Slot()
     def new_chat(self) -> None:
         self._request("new_chat")
+
+    @Slot(bool)
+    def set_watching(self, on: bool) -> None:
+        self._watching = bool(on)
+        self._request("set_watching", self._watching)
 
     @Slot(str, dict, str)
     def ask(self, question: str, sampling: dict, system: str) -> None:
@@ -239,6 +245,8 @@ class ProcessWorker(WorkerBase):
         self._start()
         history, loaded, self._quiet = list(self.history), dict(self._loaded), True
         try:
+            if not self._watching:
+                self._relay("set_watching", (False,))
             if loaded:
                 self._relay("load_model", (loaded["config"],))
                 if loaded["document"]:

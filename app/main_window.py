@@ -87,6 +87,7 @@ class MainWindow(QMainWindow):
     request_open = Signal(str)
     request_ask = Signal(str, dict, str)
     request_new_chat = Signal()
+    request_watch = Signal(bool)
 
     def __init__(self, config: dict | None = None, parent: QWidget | None = None, *,
                  views: Sequence[ViewSpec] = VIEWS):
@@ -146,6 +147,7 @@ class MainWindow(QMainWindow):
         self.request_open.connect(self.worker.open_document, queued)
         self.request_ask.connect(self.worker.ask, queued)
         self.request_new_chat.connect(self.worker.new_chat, queued)
+        self.request_watch.connect(self.worker.set_watching, queued)
         w = self.worker
         w.model_progress.connect(self._on_model_progress)
         w.model_ready.connect(self._on_model_ready)
@@ -204,6 +206,13 @@ class MainWindow(QMainWindow):
         path, _ = QFileDialog.getOpenFileName(self, "Open a document", start, f"Documents ({patterns});;All files (*)")
         if path:
             self.open_document(path)
+
+    def set_watching(self, on: bool) -> None:
+        """View → Watch the engine: the engine records its steps for the views (on), or records nothing from the
+        next question on, running as the command line runs it (to time it unwatched); the views keep what they
+        showed."""
+        self.status.set_watching(on)
+        self.request_watch.emit(bool(on))   # queued after any pending request: applies from the next question
 
     def new_chat(self) -> None:
         if self.chat.is_streaming():

@@ -1,7 +1,8 @@
 """The main window's menus (File, View, Help) and its window-wide Esc shortcut.
 
 `build_menus(win)` runs once the window has its chat, docks and Quest highlight (app/main_window.py); it sets
-`win.highlight_action` (View → Highlight what Quest reads) and `win.stop_action` (Esc: stop the answer).
+`win.highlight_action` (View → Highlight what Quest reads), `win.watch_action` (View → Watch the engine) and
+`win.stop_action` (Esc: stop the answer).
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def build_menus(win: QMainWindow) -> None:
     win.highlight_action = QAction("&Highlight what Quest reads", win, checkable=True, checked=True,
                                    toggled=win.quest_highlight.set_enabled)
     view_menu.addAction(win.highlight_action)
+    win.watch_action = QAction("&Watch the engine (live views)", win, checkable=True, checked=True,
+                               toggled=win.set_watching)
+    win.watch_action.setStatusTip("Off: the engine records nothing from the next question on (it runs as the command "
+                                  "line runs it) and the views keep what they showed")
+    view_menu.addAction(win.watch_action)
     _action(view_menu, "&Reset layout", win.reset_layout)
     help_menu = win.menuBar().addMenu("&Help")
     _action(help_menu, "&About kvscope", lambda: show_about(win))

@@ -66,7 +66,7 @@ class EtaEstimator:
 class StatusBar(QStatusBar):
     """Permanent fields (model, device, mode, policy, memory) and a progress bar shown while something loads.
 
-    Read back: `model_label`, `device_label`, `mode_label`, `policy_label`, `memory_label` (QLabels) and
+    Read back: `model_label`, `device_label`, `mode_label`, `policy_label`, `memory_label`, `watch_label` (QLabels) and
     `progress` (QProgressBar; its text is the task's message, percentage and ETA)."""
 
     def __init__(self, parent: QWidget | None = None):
@@ -76,6 +76,9 @@ class StatusBar(QStatusBar):
         self.mode_label = QLabel()
         self.policy_label = QLabel()
         self.memory_label = QLabel("KV —")
+        self.watch_label = QLabel()
+        self.watch_label.setToolTip("View → Watch the engine: while off, the engine records nothing and the views "
+                                    "keep what they last showed")
         self.model_label.setToolTip("The model the engine runs")
         self.device_label.setToolTip("Where the engine computes, and its data type")
         self.mode_label.setToolTip("Where the KV cache lives (gpu, or host memory streamed to the device)")
@@ -87,8 +90,8 @@ class StatusBar(QStatusBar):
         self.progress.setMinimumWidth(320)
         self.progress.hide()
         self.eta = EtaEstimator()
-        for w in (self.progress, self.model_label, self.device_label, self.mode_label, self.policy_label,
-                  self.memory_label):
+        for w in (self.progress, self.watch_label, self.model_label, self.device_label, self.mode_label,
+                  self.policy_label, self.memory_label):
             self.addPermanentWidget(w)
 
     def set_model(self, info: dict) -> None:
@@ -103,6 +106,9 @@ class StatusBar(QStatusBar):
 
     def set_policy(self, name: str) -> None:
         self.policy_label.setText(f"policy: {name}" if name else "")
+
+    def set_watching(self, on: bool) -> None:
+        self.watch_label.setText("" if on else "live views paused")
 
     def set_memory(self, metrics: dict, offload: bool) -> None:
         """GPU memory (CUDA only) and KV in use, from one step's metrics; `offload`: the KV lives on the host."""

@@ -88,6 +88,8 @@ class EngineWorker(WorkerBase):
         super().__init__(max_steps)
         self.document: Document | None = None
         self._map_cache: tuple = (None, None, "")          # (prompt key, token map, why none)
+        self.watching = True                               # the engine records its steps for the views
+        self._live = None                                  # the loaded engine's live recorder (kept while not watching)
 
     def close_engine(self) -> None:
         """Close the engine (threads joined, pinned memory freed, last disk writes done). Call it once the worker's
@@ -152,7 +154,8 @@ class EngineWorker(WorkerBase):
         except BaseException:
             llm.close()
             raise
-        llm.recorder = TraceRecorder.live(llm.device, on_step=self.telemetry.append)
+        self._live = TraceRecorder.live(llm.device, on_step=self.telemetry.append)
+        llm.recorder = self._live if self.watching else None
         self.llm, self.engine_config = llm, dict(config)
         self.history, self._map_cache = [], (None, None, "")
         self._ready()
@@ -202,6 +205,14 @@ class EngineWorker(WorkerBase):
     @Slot()
     def new_chat(self) -> None:
         self.history = []
+
+    @Slot(bool)
+    def set_watching(self, on: bool) -> None:
+        """Record the engine's steps for the live views (on), or record nothing from the next question on: the
+        engine then runs as the command line runs it, and the views keep what they last showed."""
+        self.watching = bool(on)
+        if self.llm is not None:
+            self.llm.recorder = self._live if self.watching else None
 
     @Slot(str, dict, str)
     def ask(self, question: str, sampling: dict, system: str) -> None:

@@ -11,7 +11,9 @@ through its chat box, its engine in a process of its own as `python main.py` run
 window's engine thread, as before that existed). After one warm-up each, the three (four with `--control`: a second
 engine-only process) take turns, `--runs` rounds, the order rotating each round, every process alive throughout: they
 see the same host (a GPU host's decode in the offload modes is bound by Python on the host and varied by +-30% from
-turn to turn there, so the rounds must interleave, and medians of a few are not enough). Medians are reported with
+turn to turn there, so the rounds must interleave, and medians of a few are not enough). A fourth turn in the rotation
+asks the window's own engine process with View -> Watch the engine off (it records nothing, as the CLI runs): the
+cost of watching within one process (two identical processes differed by up to 17% on the H100 host, `--control`). Medians are reported with
 their ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's turns. All use
 the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
 """
@@ -132,7 +134,7 @@ def main() -> int:
     engine = dict(win.worker.engine_config)
     alone = EngineOnly(engine, str(SAMPLE), args.tokens)
     other = EngineOnly(engine, str(SAMPLE), args.tokens) if args.control else None
-    with_app, without, traced, control, refresh, backlog = [], [], [], [], [], []
+    with_app, without, traced, control, refresh, backlog, unwatched = [], [], [], [], [], [], []
 
     def app_turn() -> None:
         win.new_chat()                                                         # the same prompt: no history
@@ -143,7 +145,14 @@ def main() -> int:
         refresh.append(win.telemetry.stats())
         backlog.append(getattr(win.worker, "backlog", 0))
         win.telemetry.start()
-    turns = [lambda: without.append(alone.turn(False)), lambda: traced.append(alone.turn(True)), app_turn]
+
+    def unwatched_turn() -> None:                                              # the same engine, View → Watch off
+        win.new_chat()
+        win.watch_action.setChecked(False)
+        unwatched.append(ask_and_wait(app, win, QUESTION, 600))
+        win.watch_action.setChecked(True)
+    turns = [lambda: without.append(alone.turn(False)), lambda: traced.append(alone.turn(True)), app_turn,
+             unwatched_turn]
     if other is not None:
         turns.append(lambda: control.append(other.turn(True)))
     for i in range(args.runs):                                                 # the order rotates every round
@@ -164,7 +173,7 @@ def main() -> int:
               "ttft_s": {"engine_only": med(without, "ttft_s"), "engine_traced": med(traced, "ttft_s"),
                          "app": med(with_app, "ttft_s")},
               "completion_tokens": [r["completion_tokens"] for r in with_app + without],
-              "turns": {"engine_only": without, "engine_traced": traced, "app": with_app,
+              "turns": {"engine_only": without, "engine_traced": traced, "app": with_app, "app_unwatched": unwatched,
                         **({"control_traced": control} if control else {})},
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
@@ -180,6 +189,12 @@ def main() -> int:
     print(f"GUI refresh during a turn: {r['draws_per_s']:.1f} draws/s, {r['steps']:.0f} steps drawn, draw "
           f"{r['draw_ms_median']:.1f} ms median / {r['draw_ms_p95']:.1f} ms p95; GUI thread busy {100 * r['gui_cpu_share']:.1f}% "
           f"of the time ({100 * r['draw_share']:.1f}% in the pump's updates)")
+    u = med(unwatched, "decode_tok_s")
+    result["decode_tok_s"]["app_unwatched"] = u
+    print(f"the app's own engine process with View -> Watch the engine off (it records nothing, as the CLI): decode "
+          f"{u:.2f} tok/s, TTFT {1e3 * med(unwatched, 'ttft_s'):.1f} ms; watching costs it {100 * (1 - d['app'] / u):.1f}% "
+          f"of decode ({d['app'] / u:.2f}x), TTFT {t['app'] / med(unwatched, 'ttft_s'):.2f}x (same process: no "
+          f"difference between processes in it)")
     if control:
         c = med(control, "decode_tok_s")
         result["decode_tok_s"]["control_traced"] = c

@@ -72,5 +72,4 @@ class MInferencePolicy(SparsePrefillPolicy):
         return vertical_slash_keep(pat, tq, tk)
 
     def record(self, recorder, layer, pat: VerticalSlash, density, n):
-        for h, dens in enumerate(density):
-            recorder.mask_summary(layer, h, pat.vertical[h], pat.slash[h], n, dens)
+        recorder.mask_summaries(layer, pat.vertical, pat.slash, n, density)

@@ -208,7 +208,8 @@ class SparsePrefillPolicy(SparsePolicy):
     def keep(self, pattern, tq: int, tk: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def record(self, recorder, layer: int, pattern, density: list[float], n: int) -> None:
+    def record(self, recorder, layer: int, pattern, density: torch.Tensor, n: int) -> None:
+        """The layer's masks to the recorder, every head in one `mask_summaries` call (density [Hq], a tensor)."""
         raise NotImplementedError
 
     def block_table(self, pattern) -> torch.Tensor | None:
@@ -259,8 +260,8 @@ class SparsePrefillPolicy(SparsePolicy):
         out, pairs, pattern = got
         self.dense_reasons.pop(layer, None)
         self._pairs[layer] = (pairs, causal_pairs(q.shape[0], k.shape[0]))
-        if ctx.recorder.enabled:
-            self.record(ctx.recorder, layer, pattern, self.density(layer), k.shape[0])
+        if ctx.recorder.enabled:                              # (density per head stays on the device: no read)
+            self.record(ctx.recorder, layer, pattern, pairs.double() / causal_pairs(q.shape[0], k.shape[0]), k.shape[0])
         return out
 
     def density(self, layer: int) -> list[float] | None:

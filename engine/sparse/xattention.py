@@ -61,6 +61,4 @@ class XAttentionPolicy(SparsePrefillPolicy):
         hq, nqb, nkb = blocks.shape
         f = max(1, -(-max(nqb, nkb) // _IMAGE))                                 # binned picture, at most _IMAGE
         img = F.avg_pool2d(blocks.float()[:, None], f, ceil_mode=True)[:, 0].mul_(255).to(torch.uint8)
-        empty = torch.zeros(0, dtype=torch.int32)
-        for h, dens in enumerate(density):
-            recorder.mask_summary(layer, h, empty, empty, n, dens, image=img[h])
+        recorder.mask_summaries(layer, None, None, n, density, images=img)

@@ -67,6 +67,9 @@ class Recorder:
     def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
         pass
 
+    def mask_summaries(self, layer: int, vertical, slash, n: int, density, images=None) -> None:
+        pass
+
     def end_step(self, metrics: dict | None = None, defer: bool = False) -> StepTrace | None:
         return None
 

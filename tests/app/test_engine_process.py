@@ -33,6 +33,22 @@ def test_the_engine_answers_from_its_own_process_and_its_steps_are_drawn(window,
     assert window.describe()["engine"]["model"] == str(default_model_dir)
 
 
+def test_unwatched_the_engine_records_nothing_and_the_views_keep_the_last_turn(window, qtbot):
+    """View → Watch the engine off: the next answer comes as before with its stats, but the engine recorded no step
+    (it ran as the command line runs it), and the views still show the turn before; on again, steps come back."""
+    bars = window.timeline.bar_count()
+    assert bars > 0 and window.status.watch_label.text() == ""
+    window.watch_action.setChecked(False)
+    assert window.status.watch_label.text() == "live views paused"
+    answer = ask(qtbot, window, QUESTION)
+    assert "Bergen" in answer["text"] and answer["stats"]["completion_tokens"] > 1
+    assert window.worker.turn_steps == [] and window.timeline.bar_count() == bars
+    window.watch_action.setChecked(True)
+    answer = ask(qtbot, window, QUESTION)
+    assert [s.phase for s in window.worker.turn_steps].count("decode") == answer["stats"]["completion_tokens"] - 1
+    assert window.status.watch_label.text() == ""
+
+
 def test_stop_reaches_the_engine_process(window, qtbot):
     start_long_answer(qtbot, window, 21)
     t0 = time.monotonic()
