@@ -51,6 +51,7 @@ from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 -
 from engine.trace.event_clock import EventClock
 from engine.trace.events import (HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
                                  StepTrace)
+from engine.trace.grab import grab as _grab, masks_of as _masks_of, to_numpy as _to_numpy
 
 PART_TIMELINES = 3   # the parts of a step with a timeline at a detail rate: its first, a middle one, its last but one
 
@@ -375,37 +376,3 @@ class TraceRecorder(Recorder):
         """Forget the history (step numbering goes on)."""
         self.steps.clear()
         self.last = None
-
-
-def _masks_of(entry) -> list[MaskSummary]:
-    """A recorded mask (a MaskSummary) or a layer's masks (mask_summaries' tuple) as MaskSummary per head, numpy."""
-    if isinstance(entry, MaskSummary):
-        entry.vertical, entry.slash = _to_numpy(entry.vertical), _to_numpy(entry.slash)
-        entry.image = None if entry.image is None else _to_numpy(entry.image)
-        return [entry]
-    layer, vertical, slash, n, density, images = entry
-    density = _to_numpy(density).astype(float)
-    none = np.zeros(0, dtype=np.int32)
-    vertical, slash = (none[None].repeat(len(density), 0) if x is None else _to_numpy(x) for x in (vertical, slash))
-    images = [None] * len(density) if images is None else _to_numpy(images)
-    return [MaskSummary(layer, h, vertical[h], slash[h], n, float(d), images[h]) for h, d in enumerate(density)]
-
-
-def _grab(x, async_ok: bool):
-    """Keep an array-like safe from later in-place changes: numpy is copied, a torch tensor cloned to the host
-    (asynchronously from CUDA when `async_ok`, i.e. end_step's sync comes before it is read)."""
-    if isinstance(x, np.ndarray):
-        return x.copy()
-    if hasattr(x, "detach") and hasattr(x, "device"):
-        t = x.detach()
-        return t.to("cpu", non_blocking=async_ok) if t.device.type != "cpu" else t.clone()
-    return np.asarray(x)
-
-
-def _to_numpy(x, dtype=None) -> np.ndarray:
-    """A grabbed array as numpy (`dtype`: narrowed to it, e.g. page ids to int32)."""
-    if not isinstance(x, np.ndarray):
-        if str(getattr(x, "dtype", "")) == "torch.bfloat16":
-            x = x.float()
-        x = x.numpy()
-    return x if dtype is None else x.astype(dtype, copy=False)

@@ -214,6 +214,22 @@ def test_masks_added_spans_and_an_unclosed_step():
     assert second.step == 1 and second.phase == "decode" and not second.spans and second.t0_us >= first.t0_us
 
 
+def test_a_layers_masks_in_one_call_come_out_per_head():
+    """mask_summaries (a layer's heads at once, as the prefill policies record them): one MaskSummary per head,
+    numpy, safe from later in-place changes; no vertical/slash (XAttention's blocks) gives empty int32 lines."""
+    rec = TraceRecorder()
+    rec.begin_step("prefill", 96)
+    vertical, slash = torch.tensor([[0, 5], [1, 7]], dtype=torch.int32), torch.tensor([[0], [3]], dtype=torch.int32)
+    density = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    rec.mask_summaries(3, vertical, slash, 96, density)
+    rec.mask_summaries(4, None, None, 96, density, images=torch.full((2, 2, 2), 7, dtype=torch.uint8))
+    vertical[0, 0], density[1] = 99, 0.0
+    masks = rec.end_step().masks
+    assert [(m.layer, m.head, m.density) for m in masks] == [(3, 0, 0.5), (3, 1, 0.25), (4, 0, 0.5), (4, 1, 0.25)]
+    assert masks[0].vertical.tolist() == [0, 5] and masks[1].slash.tolist() == [3] and masks[0].image is None
+    assert masks[2].vertical.dtype == np.int32 and masks[2].vertical.size == 0 and masks[3].image.tolist() == [[7, 7]] * 2
+
+
 def test_trace_package_imports_without_torch():
     code = "import sys, engine.trace; r = engine.trace.TraceRecorder(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
