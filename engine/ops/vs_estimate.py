@@ -19,6 +19,9 @@ Triton launches do it, storing nothing of size n x Tk:
   first BD columns belong to this diagonal block (the blocks' windows overlap by BM keys), and the first block
   also takes the keys after pos_r0. Tiles of rows add up with atomics (one tile, the default n = 64: each score
   is written once, so the result does not depend on the order).
+
+Then the selection (`vs_select`): per head the largest columns and diagonals (forced ones first, equal scores in
+index order), sorted, with the number of (query, key) pairs they reach; one launch on CUDA, a stable sort elsewhere.
 """
 from __future__ import annotations
 

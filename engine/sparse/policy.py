@@ -259,9 +259,9 @@ class SparsePrefillPolicy(SparsePolicy):
             return super().prefill_attention(q, k, v, layer, scale, ctx)
         out, pairs, pattern = got
         self.dense_reasons.pop(layer, None)
-        self._pairs[layer] = (pairs, causal_pairs(q.shape[0], k.shape[0]))
+        self._pairs[layer] = (pairs, dense := causal_pairs(q.shape[0], k.shape[0]))
         if ctx.recorder.enabled:                              # (density per head stays on the device: no read)
-            self.record(ctx.recorder, layer, pattern, pairs.double() / causal_pairs(q.shape[0], k.shape[0]), k.shape[0])
+            self.record(ctx.recorder, layer, pattern, pairs.double() / dense, k.shape[0])
         return out
 
     def density(self, layer: int) -> list[float] | None:
