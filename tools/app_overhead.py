@@ -8,14 +8,14 @@ answers the same chat messages on request (the sample document and question, gre
 ignored), as `main.py chat` does: untraced, and traced as the app's worker records (no window to draw it). With the
 app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, docks in place) asks the same question
 through its chat box, its engine in a process of its own as `python main.py` runs it (`--engine-thread`: on the
-window's engine thread, as before that existed). After one warm-up each, the three (four with `--control`: a second
-engine-only process) take turns, `--runs` rounds, the order rotating each round, every process alive throughout: they
-see the same host (a GPU host's decode in the offload modes is bound by Python on the host and varied by +-30% from
-turn to turn there, so the rounds must interleave, and medians of a few are not enough). A fourth turn in the rotation
-asks the window's own engine process with View -> Watch the engine off (it records nothing, as the CLI runs): the
-cost of watching within one process (two identical processes differed by up to 17% on the H100 host, `--control`). Medians are reported with
-their ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's turns. All use
-the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
+window's engine thread, as before that existed). After one warm-up each, the turns (engine only, untraced and
+traced; the app; the app's own engine process with View -> Watch the engine off, which records nothing as the CLI
+runs: the cost of watching within one process; `--control` adds a second engine-only process) take their turns,
+`--runs` rounds, the order rotating each round, every process alive throughout: they see the same host (a GPU host's
+decode in the offload modes is bound by Python on the host and varied by +-30% from turn to turn there, so the rounds
+must interleave, and medians of a few are not enough; two identical processes differed by up to 17%). It reports
+medians with their ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
+turns. All use the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
 """
 from __future__ import annotations
 
