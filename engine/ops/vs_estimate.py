@@ -34,6 +34,7 @@ except ImportError:  # CPU-only installs use the reference
     triton = None
 
 _LOG2E = 1.4426950408889634
+_GATHER = triton is not None and hasattr(tl, "gather")   # (a Triton without tl.gather takes the torch form)
 _SPLITS = 32             # key splits of the stats pass (the scores pass combines them)
 
 
@@ -256,7 +257,7 @@ def vs_select_triton(scores: torch.Tensor, nv: int, ns: int, sink: int, recent: 
 
 def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float, n: int) -> torch.Tensor:
     """[2, Hq, Tk] (col, diag) scores: the Triton kernels on CUDA, the torch form elsewhere."""
-    if q.is_cuda and triton is not None:
+    if q.is_cuda and _GATHER:
         return vs_scores_triton(q if q.stride(-1) == 1 else q.contiguous(), k if k.stride(-1) == 1 else k.contiguous(),
                                 scale, n)
     return vs_scores_reference(q, k, scale, n)
