@@ -120,8 +120,9 @@ def _dense_gate(cpu: float) -> tuple[Param, Param]:
               "there; measured with bench --text sample). 1 = always sparse, to study the masks.",
               "CPU: dense above", step=0.05),
         Param("gpu_dense_above", float, 0.45, 0, 1, "on CUDA: a layer whose pattern keeps more than this share of "
-              "the causal pairs runs dense, and the stats say so (our kernels compute a pair at ~0.45x dense "
-              "attention's pace on the H100: bench --kernels). 1 = always sparse.", "GPU: dense above", step=0.05))
+              "the causal pairs runs dense, and the stats say so (on the H100 our kernels compute a pair at 0.2-0.8x "
+              "the pace of dense cuDNN attention, vertical-slash at the low end: bench --kernels; with the "
+              "estimate's cost a layer pays below about this share). 1 = always sparse.", "GPU: dense above", step=0.05))
 
 SPECS: dict[str, PolicySpec] = {s.name: s for s in (
     PolicySpec("full", "Full", "both", MODES, "Dense attention over every token: the exact baseline.",
