@@ -43,6 +43,11 @@ def test_unwatched_the_engine_records_nothing_and_the_views_keep_the_last_turn(w
     answer = ask(qtbot, window, QUESTION)
     assert "Bergen" in answer["text"] and answer["stats"]["completion_tokens"] > 1
     assert window.worker.turn_steps == [] and window.timeline.bar_count() == bars
+    old = window.worker.pid                                 # a child started again is told too
+    os.kill(old, signal.SIGKILL)
+    qtbot.waitUntil(lambda: not window.worker._proc.is_alive(), timeout=10_000)
+    answer = ask(qtbot, window, QUESTION)
+    assert window.worker.pid not in (None, old) and "Bergen" in answer["text"] and window.worker.turn_steps == []
     window.watch_action.setChecked(True)
     answer = ask(qtbot, window, QUESTION)
     assert [s.phase for s in window.worker.turn_steps].count("decode") == answer["stats"]["completion_tokens"] - 1
