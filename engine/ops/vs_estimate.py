@@ -138,10 +138,8 @@ def vs_scores_triton(q: torch.Tensor, k: torch.Tensor, scale: float, n: int, blo
     bm, bd = 64, 64
     rt = triton.cdiv(n, bm)
     split = triton.cdiv(triton.cdiv(tk, _SPLITS), block_n) * block_n
-    m = torch.empty(hq, rt * bm, _SPLITS, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    m.fill_(float("-inf"))
-    l.zero_()
+    m = torch.full((hq, rt * bm, _SPLITS), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros_like(m)
     scores = torch.zeros(2, hq, tk, dtype=torch.float32, device=q.device)
     col, diag = scores
     common = dict(G=hq // k.shape[1], BM=bm, D=d, DP=max(16, triton.next_power_of_2(d)), NS=_SPLITS,

@@ -264,13 +264,6 @@ class SparsePrefillPolicy(SparsePolicy):
             self.record(ctx.recorder, layer, pattern, pairs.double() / dense, k.shape[0])
         return out
 
-    def density(self, layer: int) -> list[float] | None:
-        """Per head: the fraction of causal (query, key) pairs computed in this layer's last sparse prefill."""
-        if layer not in self._pairs:
-            return None
-        pairs, dense = self._pairs[layer]
-        return (pairs.double() / dense).tolist()
-
     def stats(self) -> dict:
         reasons = sorted(set(self.dense_reasons.values()), key=list(self.dense_reasons.values()).count)
         if not self._pairs:
