@@ -18,10 +18,12 @@ q = torch.randn(tk, hq, d, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(hkv, tk, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
 v = torch.randn(hkv, tk, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
 print("dense ms", round(_time_ms(lambda: causal_attention(q, k, v, d ** -0.5)), 2))
-pat = _vs_pattern(tk, hq, 0.1, "cuda", g)
-for bn, w, st in itertools.product([64, 128], [4, 8], [2, 3]):
-    print("vertical-slash BN, warps, stages", bn, w, st, round(_time_ms(
-        lambda: vertical_slash_triton(q, k, v, pat, d ** -0.5, bn, w, st)), 2))
+for density, block in itertools.product([0.1, 0.5], [64, 128]):
+    pat = _vs_pattern(tk, hq, density, "cuda", g, block)
+    for split, bn, w, st in itertools.product([False, True], [64, 128], [4, 8], [2, 3]):
+        if bn <= block:
+            print(f"vertical-slash density {density} block {block}: split, BN, warps, stages", split, bn, w, st,
+                  round(_time_ms(lambda: vertical_slash_triton(q, k, v, pat, d ** -0.5, bn, w, st, split=split)), 2))
 blocks = _band_blocks(tk, hq, 128, 32, 32, "cuda", g)
 for bn, w, st in itertools.product([64, 128], [4, 8], [2, 3]):
     print("block-sparse BN, warps, stages", bn, w, st, round(_time_ms(

@@ -46,15 +46,21 @@ if triton is not None:
         return kt, vt
 
     @triton.jit
-    def _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok, pos, row_ok, qk_scale, MASKED: tl.constexpr):
-        """One tile of keys kt and values vt [BN, D] at `cols` (ok: which exist) into the online softmax of the
-        block's rows. MASKED=False: the caller knows every key exists and precedes every row (no masks, no counting)."""
-        if MASKED:
+    def _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok, pos, row_ok, qk_scale, MASK: tl.constexpr):
+        """One tile of keys kt and values vt [BN, D] at `cols` (ok: which count) into the online softmax of the
+        block's rows. MASK 0: the caller knows every key exists and precedes every row (no masks, no counting);
+        1: every key precedes every row, `ok` says which columns count (one bias per column); 2: causal, per pair."""
+        if MASK == 2:
             keep = ok[None, :] & (cols[None, :] <= pos[:, None]) & row_ok[:, None]
             s = tl.where(keep, tl.dot(q, tl.trans(kt)) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             n_pairs += tl.sum(keep.to(tl.int32))
+        elif MASK == 1:
+            s = tl.dot(q, tl.trans(kt)) * qk_scale + tl.where(ok, 0.0, float("-inf"))[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            n_pairs += tl.sum(ok.to(tl.int32)) * tl.sum(row_ok.to(tl.int32))
         else:
             s = tl.dot(q, tl.trans(kt)) * qk_scale
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -75,9 +81,10 @@ if triton is not None:
 
     # (prompt sizes, not specialized on: a new prompt length must not compile another kernel in the user's turn)
     @triton.jit(do_not_specialize=["tq", "offset", "n_vert", "n_grp", "cov_len"])
-    def _vs_kernel(Q, K, V, O, VERT, DLO, DHI, COV, VCNT, GCNT, PAIRS, SKIP, tq, offset, n_vert, n_grp, cov_len,
+    def _vs_kernel(Q, K, V, KV_K, KV_V, O, VERT, DLO, DHI, COV, VBEF, VCNT, GCNT, PAIRS, SKIP, tq, offset, n_vert, n_grp,
+                   cov_len,
                    qk_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
-                   G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                   G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
         if tl.load(SKIP) != 0:                                                # the dense gate said no (see _skip)
             return
         h, n_mb = tl.program_id(0), tl.num_programs(1)
@@ -106,21 +113,34 @@ if triton is not None:
                 cols = n + tl.arange(0, BN)                                 # (no masks: a loop Triton pipelines)
                 kt, vt = _kv(k_ptr, v_ptr, n, cols, cols < end, 0, sk_t, sv_t, offs_d, BN, D, False, False)
                 acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, cols < end, pos, row_ok,
-                                               qk_scale, False)
+                                               qk_scale, 0)
             for n in range(split, end, BN):                                 # the run's end, the diagonal
                 cols = n + tl.arange(0, BN)
                 kt, vt = _kv(k_ptr, v_ptr, n, cols, cols < end, 0, sk_t, sv_t, offs_d, BN, D, False, True)
                 acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, cols < end, pos, row_ok,
-                                               qk_scale, True)
-        n_v = tl.load(VCNT + h * n_mb + m)
-        for j in range(0, n_v, BN):                                           # vertical columns no run covers
+                                               qk_scale, 2)
+        if SPLIT:
+            n_b = tl.load(VBEF + h * n_mb + m)                               # vertical columns before row m0
+        else:
+            n_b = 0
+        n_v = tl.load(VCNT + h * n_mb + m)                                    # ... and before the block's end
+        kv_at = h.to(tl.int64) * n_vert                                       # this head's gathered columns
+        for j in range(0, n_b, BN):            # columns no run covers, before every row: one bias per column
+            idx = j + tl.arange(0, BN)
+            ok = idx < n_b
+            cols = tl.load(VERT + kv_at + idx, mask=ok, other=0)
+            cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
+            kt, vt = _kv(KV_K + kv_at * D, KV_V + kv_at * D, 0, idx, ok, 0, D, D, offs_d, BN, D, False, True)
+            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok & (cov == 0), pos, row_ok,
+                                           qk_scale, 1)
+        for j in range(n_b, n_v, BN):                                         # the block's own columns: causal
             idx = j + tl.arange(0, BN)
             ok = idx < n_v
-            cols = tl.load(VERT + h * n_vert + idx, mask=ok, other=0)
+            cols = tl.load(VERT + kv_at + idx, mask=ok, other=0)
             cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
-            kt, vt = _kv(k_ptr, v_ptr, 0, cols, ok & (cov == 0), 0, sk_t, sv_t, offs_d, BN, D, False, True)
+            kt, vt = _kv(KV_K + kv_at * D, KV_V + kv_at * D, 0, idx, ok, 0, D, D, offs_d, BN, D, False, True)
             acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok & (cov == 0), pos, row_ok,
-                                           qk_scale, True)
+                                           qk_scale, 2)
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
     @triton.jit(do_not_specialize=["tq", "tk", "offset", "max_k"])
@@ -158,13 +178,13 @@ if triton is not None:
             cols = c0 + tl.arange(0, BN)
             kt, vt = _kv(k_src, v_src, c0, cols, cols < tk, kvh, sk_t, sv_t, offs_d, BN, D, TMA, False)
             acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, cols < tk, pos, row_ok,
-                                           qk_scale, False)
+                                           qk_scale, 0)
         for t in range(n_full, tl.load(CNT + at) * TPB):                   # the diagonal (and a ragged last block)
             c0 = tl.load(IDX + base + t // TPB) * B + (t % TPB) * BN
             cols = c0 + tl.arange(0, BN)
             kt, vt = _kv(k_src, v_src, c0, cols, cols < tk, kvh, sk_t, sv_t, offs_d, BN, D, TMA, True)
             acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, cols < tk, pos, row_ok,
-                                           qk_scale, True)
+                                           qk_scale, 2)
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, at, so_t, so_h, offs_d)
 
     @triton.jit(do_not_specialize=["tq", "offset", "nkb"])
@@ -198,32 +218,40 @@ def _skip(flag: torch.Tensor | None, device) -> torch.Tensor:
 
 
 def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None, skip=None):
-    """Tiles measured best (tools/tune_sparse.py): pattern block 128 at head_dim 128 BN 128, 8 warps, 3 stages
-    (H200: 0.55-0.59x dense SDPA's pace per pair at 128K and densities 0.11-0.44; 2 stages 0.50); BN 64 and 4
-    warps at head_dim 64 (H100: 0.52x); block 64: BN 64, 4 warps."""
+                          num_warps: int | None = None, num_stages: int | None = None, skip=None,
+                          split: bool | None = None):
+    """Tiles measured best (tools/tune_sparse.py; a sweep of splits, warps, stages and BN on the H100, bf16, bench's
+    band + columns patterns at 32K and 128K): pattern block 128 at head_dim 128: BN 128, 8 warps, 3 stages; at
+    head_dim 64: BN 64, 4 warps, 3 stages. split (default: pattern block >= 128): the columns before a block's first
+    row take one bias per column instead of a mask per pair (block 128: vertical columns' pace 0.27 -> 0.44 of cuDNN
+    at head_dim 64, 0.24 -> 0.38 at 128, 128K; at block 64 the per-pair mask measured faster)."""
     _check(q, k, v)
     (tq, hq, d), tk, bm = q.shape, k.shape[0], pat.block
     wide = bm >= 128 and d >= 128 and q.element_size() <= 2      # (fp32 tiles that wide need more shared memory)
     block_n, num_warps = block_n or (128 if wide else 64), num_warps or (8 if wide else 4)
-    num_stages = num_stages or (3 if wide else 2)
+    num_stages = num_stages or (3 if q.element_size() <= 2 else 2)
+    split = bm >= 128 if split is None else split
     off, n_mb = tk - tq, -(-tq // bm)
     d_lo, d_hi = pat.groups()
     if d_lo.shape[1] == 0:
         d_lo = d_hi = torch.full((hq, 1), _BIG, dtype=torch.int32, device=q.device)
     m0 = off + torch.arange(n_mb, device=q.device, dtype=torch.int32) * bm
     bounds = (m0 + bm).expand(hq, -1).contiguous()
+    vbef = torch.searchsorted(pat.vertical.contiguous(), m0.expand(hq, -1).contiguous()).int()   # before its row 0
     vcnt = torch.searchsorted(pat.vertical.contiguous(), bounds).int()     # verticals before the block's end
     gcnt = torch.searchsorted(d_lo, bounds).int()                          # runs that reach into [0, m0 + BM)
     cov = pat.covered(tk).to(torch.int8).contiguous()
     o = torch.empty_like(q)
     pairs = torch.empty(hq, n_mb, dtype=torch.int32, device=q.device)
     vert = pat.vertical.int().contiguous()
-    _vs_kernel[(hq, n_mb)](q, k, v, o, vert, d_lo, d_hi, cov, vcnt, gcnt, pairs, _skip(skip, q.device), tq, off,
+    kvh = (torch.arange(hq, device=q.device) // (hq // k.shape[1]))[:, None]
+    kv_k, kv_v = (k[vert.long(), kvh], v[vert.long(), kvh]) if vert.shape[1] else (k, v)
+    _vs_kernel[(hq, n_mb)](q, k, v, kv_k, kv_v, o, vert, d_lo, d_hi, cov, vbef, vcnt, gcnt, pairs, _skip(skip, q.device), tq, off,
                            vert.shape[1],
                            d_lo.shape[1], cov.shape[1], scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0),
                            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-                           G=hq // k.shape[1], BM=bm, BN=block_n, D=d, num_warps=num_warps, num_stages=num_stages)
+                           G=hq // k.shape[1], BM=bm, BN=block_n, D=d, SPLIT=split,
+                           num_warps=num_warps, num_stages=num_stages)
     return o, pairs.sum(dim=1, dtype=torch.int64)
 
 
