@@ -139,6 +139,28 @@ def test_vertical_slash_triton_many_columns(dtype, split):
     assert pairs.cpu().tolist() == vertical_slash_reference(q, k, v, pat, 0.25)[1].tolist()
 
 
+@pytest.mark.parametrize("seed,diagonal", [(1, False), (2, False), (3, True)])
+def test_vertical_slash_triton_runs_off_the_diagonal(seed, diagonal):
+    """Runs that never touch the diagonal, as tiles at fixed offsets: several merged diagonals (whole tiles and a
+    narrower last one), runs that cross key 0 in the first blocks, a ragged last block, with and without a run at
+    the diagonal itself."""
+    pytest.importorskip("triton")
+    from engine.ops.sparse_triton import vertical_slash_triton
+    tq, tk, bm = 75, 100, 32
+    q, k, v = (x.to(DEV) for x in inputs(tq, tk, seed=seed))
+    slash = sorted_pick(tk - bm, 4, 7, seed) + bm
+    if diagonal:
+        slash = torch.cat([torch.zeros(4, 1, dtype=torch.int32), slash], dim=1)
+    vert = sorted_pick(tk, 4, 5, seed + 10)
+    pat_cpu = VerticalSlash(vert, slash, bm)
+    want = dense_masked(q, k, v, vs_allowed(pat_cpu, tq, tk).to(DEV), 0.25)
+    pat = VerticalSlash(vert.to(DEV), slash.to(DEV), bm)
+    got, pairs = vertical_slash_triton(q, k, v, pat, 0.25, block_n=16)
+    tol = 1e-4 if DEV == "cpu" else 2e-3                                  # (CUDA fp32 dots: tf32)
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert pairs.cpu().tolist() == vertical_slash_reference(q, k, v, pat, 0.25)[1].tolist()
+
+
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tq,tk,b,bn", [(45, 77, 16, 16), (64, 96, 32, 16), (96, 96, 32, 32)])
