@@ -10,7 +10,8 @@ app: the main window (offscreen unless QT_QPA_PLATFORM says otherwise, shown, do
 through its chat box, its engine in a process of its own as `python main.py` runs it (`--engine-thread`: on the
 window's engine thread, as before that existed). After one warm-up each, the turns (engine only, untraced and
 traced; the app; the app's own engine process with View -> Watch the engine off, which records nothing as the CLI
-runs: the cost of watching within one process; `--control` adds a second engine-only process) take their turns,
+runs: the cost of watching within one process; `--quiet-turn` adds one watched with nothing drawn, `--control` a
+second engine-only process) take their turns,
 `--runs` rounds, the order rotating each round, every process alive throughout: they see the same host (a GPU host's
 decode in the offload modes is bound by Python on the host and varied by +-30% from turn to turn there, so the rounds
 must interleave, and medians of a few are not enough; two identical processes differed by up to 17%). It reports
@@ -97,6 +98,9 @@ def main() -> int:
     ap.add_argument("--no-draw", action="store_true",
                     help="stop the telemetry pump during the timed turns (steps still cross to the window, nothing is "
                          "drawn from them): separates drawing from the rest of the window's cost")
+    ap.add_argument("--quiet-turn", action="store_true",
+                    help="add a turn of the window's own engine process watched but with the views' pump stopped: "
+                         "watching's cost within one process, split into the engine's side and the drawing")
     ap.add_argument("--control", action="store_true",
                     help="a second engine-only process, started beside the first, answers traced turns in the rotation: "
                          "two identical processes side by side show this host's spread between processes")
@@ -134,7 +138,7 @@ def main() -> int:
     engine = dict(win.worker.engine_config)
     alone = EngineOnly(engine, str(SAMPLE), args.tokens)
     other = EngineOnly(engine, str(SAMPLE), args.tokens) if args.control else None
-    with_app, without, traced, control, refresh, backlog, unwatched = [], [], [], [], [], [], []
+    with_app, without, traced, control, refresh, backlog, unwatched, quiet = [], [], [], [], [], [], [], []
 
     def app_turn() -> None:
         win.new_chat()                                                         # the same prompt: no history
@@ -151,8 +155,13 @@ def main() -> int:
         win.watch_action.setChecked(False)
         unwatched.append(ask_and_wait(app, win, QUESTION, 600))
         win.watch_action.setChecked(True)
+    def quiet_turn() -> None:                                                  # watched, but the views not drawn
+        win.new_chat()
+        win.telemetry.stop()
+        quiet.append(ask_and_wait(app, win, QUESTION, 600))
+        win.telemetry.start()
     turns = [lambda: without.append(alone.turn(False)), lambda: traced.append(alone.turn(True)), app_turn,
-             unwatched_turn]
+             unwatched_turn] + ([quiet_turn] if args.quiet_turn else [])
     if other is not None:
         turns.append(lambda: control.append(other.turn(True)))
     for i in range(args.runs):                                                 # the order rotates every round
@@ -174,6 +183,7 @@ def main() -> int:
                          "app": med(with_app, "ttft_s")},
               "completion_tokens": [r["completion_tokens"] for r in with_app + without],
               "turns": {"engine_only": without, "engine_traced": traced, "app": with_app, "app_unwatched": unwatched,
+                        **({"app_quiet": quiet} if quiet else {}),
                         **({"control_traced": control} if control else {})},
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
@@ -195,6 +205,12 @@ def main() -> int:
           f"{u:.2f} tok/s, TTFT {1e3 * med(unwatched, 'ttft_s'):.1f} ms; watching costs it {100 * (1 - d['app'] / u):.1f}% "
           f"of decode ({d['app'] / u:.2f}x), TTFT {t['app'] / med(unwatched, 'ttft_s'):.2f}x (same process: no "
           f"difference between processes in it)")
+    if quiet:
+        q = med(quiet, "decode_tok_s")
+        result["decode_tok_s"]["app_quiet"] = q
+        print(f"the same process watched with its views not drawn (steps recorded, sent and received, no draw): decode "
+              f"{q:.2f} tok/s ({q / u:.2f}x unwatched; drawing then costs {d['app'] / q:.2f}x), TTFT "
+              f"{1e3 * med(quiet, 'ttft_s'):.1f} ms")
     if control:
         c = med(control, "decode_tok_s")
         result["decode_tok_s"]["control_traced"] = c
