@@ -23,7 +23,8 @@ def _bounds(hkv, g, n, seed):
     return b.masked_fill_(~valid, float("-inf")).to(DEV), valid
 
 
-@pytest.mark.parametrize("hkv,g,n,k", [(2, 3, 300, 7), (1, 4, 2100, 64), (3, 1, 80, 28)])   # n > CHUNK: three loops
+@pytest.mark.parametrize("hkv,g,n,k", [(2, 3, 300, 7), (1, 4, 2100, 64), (3, 1, 80, 28),   # n > CHUNK: three loops
+                                     (2, 4, 8200, 128)])                      # 16384 keys a head, 16 warps
 def test_choice_kernel_equals_reference(hkv, g, n, k):
     b, valid = _bounds(hkv, g, n, seed=n)
     prev = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(h))[:k] for h in range(hkv)]).to(DEV)
