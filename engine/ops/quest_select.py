@@ -60,7 +60,7 @@ if triton is not None:
     @triton.jit
     def _choose_kernel(b, scores, pages, out_scores, prev, kept, n, k, scale, s_bh, s_bg, s_sh, s_ph, s_oh, s_vh,
                        G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr,
-                       HI: tl.constexpr,
+                       NT: tl.constexpr, HI: tl.constexpr,
                        ITERS: tl.constexpr):
         h = tl.program_id(0)
         g = tl.arange(0, GP)
@@ -83,18 +83,21 @@ if triton is not None:
             s = tl.sum(tl.exp(x - safe[:, None]) * zr[:, None], 0)
             tl.store(scores + h * s_sh + p, tl.where(tl.max(x, axis=0) > float("-inf"), s + 1.0, 0.0), mask=p < n)
         tl.debug_barrier()                                      # (the keys below are other threads' scores)
+        # the head's keys in registers, in two parts: the first NP pages (NP a power of two <= n) and the NT after
+        # them (a tail: n = 8,196 pages, a 128K context with room for its answer, would pad to 16,384 otherwise)
         p = tl.arange(0, NP)
-        v = tl.load(scores + h * s_sh + p, mask=p < n, other=-1.0)
-        # the k-th largest key by bisection on the bits (non-negative floats order as their int32 bits), all of the
-        # head's keys held in registers; a candidate's key is in [1, G + 1], no candidate's 0 (the answer where
-        # there are fewer than k candidates: the bisection then never leaves 0)
-        key = v.to(tl.int32, bitcast=True)
+        p2 = NP + tl.arange(0, NT)
+        key = tl.load(scores + h * s_sh + p, mask=p < n, other=-1.0).to(tl.int32, bitcast=True)
+        key2 = tl.load(scores + h * s_sh + p2, mask=p2 < n, other=-1.0).to(tl.int32, bitcast=True)
+        # the k-th largest key by bisection on the bits (non-negative floats order as their int32 bits); a
+        # candidate's key is in [1, G + 1], no candidate's 0 (the answer where there are fewer than k candidates:
+        # the bisection then never leaves 0)
         one = 0x3F800000
-        lo = tl.where(tl.sum((key >= one).to(tl.int32), 0) >= k, one, 0)
+        lo = tl.where(_count(key, key2, one) >= k, one, 0)
         hi = HI                                                 # count(key >= lo) >= k > count(key >= hi)
         for _ in range(ITERS):
             mid = lo + (hi - lo) // 2
-            cnt = tl.sum((key >= mid).to(tl.int32), 0)
+            cnt = _count(key, key2, mid)
             lo = tl.where(cnt >= k, mid, lo)
             hi = tl.where(cnt >= k, hi, mid)
         j = tl.arange(0, KP)                                    # kept: read prev before pages (maybe prev) is written
@@ -102,16 +105,33 @@ if triton is not None:
         pk = tl.load(scores + h * s_sh + pv, mask=(j < k) & (pv >= 0) & (pv < n), other=-1.0).to(tl.int32,
                                                                                                    bitcast=True)
         tl.store(kept + h, tl.sum(((pk >= lo) & (j < k)).to(tl.int32), 0))
-        r = k - tl.sum((key > lo).to(tl.int32), 0)              # the first r keys equal to lo (by page) are in
+        r = k - _count(key, key2, lo + 1)                       # the first r keys equal to lo (by page) are in
         tie = (key == lo) & (p < n)
+        tie2 = (key2 == lo) & (p2 < n)
         rank = tl.cumsum(tie.to(tl.int32), 0) - 1
+        rank2 = tl.cumsum(tie2.to(tl.int32), 0) - 1 + tl.sum(tie.to(tl.int32), 0)
         last = tie & (rank == r - 1)                            # the lowest-scored chosen page: the last slot
+        last2 = tie2 & (rank2 == r - 1)
         sel = ((key > lo) | (tie & (rank < r))) & ~last & (p < n)
+        sel2 = ((key2 > lo) | (tie2 & (rank2 < r))) & ~last2 & (p2 < n)
         pos = tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(pages + h * s_ph + pos, p.to(tl.int64), mask=sel)
-        tl.store(out_scores + h * s_oh + pos, v - 1.0, mask=sel)
-        tl.store(pages + h * s_ph + (k - 1) + p * 0, p.to(tl.int64), mask=last)
-        tl.store(out_scores + h * s_oh + (k - 1) + p * 0, v - 1.0, mask=last)
+        pos2 = tl.cumsum(sel2.to(tl.int32), 0) - 1 + tl.sum(sel.to(tl.int32), 0)
+        _put(pages, out_scores, h * s_ph, h * s_oh, pos, p, key, sel, last, k)
+        _put(pages, out_scores, h * s_ph, h * s_oh, pos2, p2, key2, sel2, last2, k)
+
+    @triton.jit
+    def _count(key, key2, x):
+        """How many of the head's keys (both parts) are >= x."""
+        return tl.sum((key >= x).to(tl.int32), 0) + tl.sum((key2 >= x).to(tl.int32), 0)
+
+    @triton.jit
+    def _put(pages, out_scores, at_p, at_o, pos, p, key, sel, last, k):
+        """The chosen pages of one part at their places (and the lowest-scored one last), with their scores."""
+        v = key.to(tl.float32, bitcast=True) - 1.0
+        tl.store(pages + at_p + pos, p.to(tl.int64), mask=sel)
+        tl.store(out_scores + at_o + pos, v, mask=sel)
+        tl.store(pages + at_p + (k - 1) + p * 0, p.to(tl.int64), mask=last)
+        tl.store(out_scores + at_o + (k - 1) + p * 0, v, mask=last)
 
     @triton.jit
     def _correct_kernel(new, slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col, k, s_nh, s_sh,
@@ -160,13 +180,13 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
         pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
         return
     hkv, g, n = b.shape
-    np2 = triton.next_power_of_2(n)
+    np2 = 1 << (max(n, 16).bit_length() - 1)                           # the largest power of two <= n (and 16)
+    nt = triton.next_power_of_2(max(n - np2, 16))                      # the tail after it (masked where empty)
     hi = struct.unpack("<i", struct.pack("<f", g + 1.5))[0]               # above any key (scores sum to <= G)
     _choose_kernel[(hkv,)](b, scratch, pages, scores, prev, kept, n, k, scale, b.stride(0), b.stride(1),
                            scratch.stride(0), pages.stride(0), scores.stride(0), prev.stride(0), G=g,
-                           GP=triton.next_power_of_2(g), C=CHUNK, KP=triton.next_power_of_2(k), NP=np2, HI=hi,
-                           ITERS=(hi - 0x3F800000).bit_length(),
-                           num_warps=8 if np2 <= 8192 else 16)
+                           GP=triton.next_power_of_2(g), C=CHUNK, KP=triton.next_power_of_2(k), NP=np2, NT=nt,
+                           HI=hi, ITERS=(hi - 0x3F800000).bit_length(), num_warps=8 if np2 <= 8192 else 16)
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,

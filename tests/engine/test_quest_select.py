@@ -39,6 +39,27 @@ def test_choice_kernel_equals_reference(hkv, g, n, k):
     assert torch.equal(scores[:, -1], scores.min(1).values)              # the lowest-scored page is last
 
 
+@pytest.mark.parametrize("k", [12, 6])                              # the cut among the tail's ties, or before them
+@pytest.mark.parametrize("n", [300, 8200])
+def test_choice_kernel_takes_equal_scores_in_page_order(n, k):
+    """Pages with equal scores on both sides of the kernel's split of the keys (the first power of two, then the
+    tail): the ones cut at the k-th score are taken in page order, the last taken goes last."""
+    hkv, g = 1, 2
+    b = torch.full((hkv, g, n), -30.0)
+    tied = torch.tensor([3, 40, 200, 255, 256, 257, n - 20, n - 9, n - 6, n - 4])       # (n - 3.. are not pages)
+    b[..., tied] = 5.0
+    b[..., [7, 100, 260]] = 6.0                                                         # three above the tie
+    b[..., -3:] = float("-inf")
+    b = b.to(DEV)
+    prev = torch.zeros(hkv, k, dtype=torch.long, device=DEV)
+    pages = torch.zeros(hkv, k, dtype=torch.long, device=DEV)
+    scores = torch.zeros(hkv, k, device=DEV)
+    kept = torch.zeros(hkv, dtype=torch.int32, device=DEV)
+    choose(b, 1.0, k, prev, torch.empty(hkv, n, device=DEV), pages, scores, kept)
+    take = tied[:k - 3].tolist()                                                        # the first tied, in order
+    assert pages[0].tolist() == sorted([7, 100, 260] + take[:-1]) + [take[-1]]
+
+
 def test_reference_choice_is_the_k_best_scores():
     b, valid = _bounds(2, 3, 200, seed=1)
     top, sc, _ = choose_reference(b, 0.5, 10, torch.zeros(2, 10, dtype=torch.long, device=DEV))
