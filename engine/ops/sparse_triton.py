@@ -79,6 +79,22 @@ if triton is not None:
                  mask=row_ok[:, None])
         tl.store(PAIRS + program, n_pairs)
 
+    @triton.jit
+    def _columns(acc, m_i, l_i, n_pairs, q, vert, cov, kk, vv, j0, j1, m0, pos, row_ok, qk_scale, offs_d,
+                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr):
+        """A head's vertical columns j0..j1 (positions vert[j], keys and values kk / vv [j, D], gathered), a tile at a
+        time; a column a slash run covers (cov, by m0 - column) is left out. MASK 1: every column precedes every row
+        (one bias per column), 2: causal, per pair."""
+        for j in range(j0, j1, BN):
+            idx = j + tl.arange(0, BN)
+            ok = idx < j1
+            cols = tl.load(vert + idx, mask=ok, other=0)
+            covered = tl.load(cov + (m0 - cols + BM - 1), mask=ok, other=1)
+            kt, vt = _kv(kk, vv, 0, idx, ok, 0, D, D, offs_d, BN, D, False, True)
+            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok & (covered == 0), pos, row_ok,
+                                           qk_scale, MASK)
+        return acc, m_i, l_i, n_pairs
+
     # (prompt sizes, not specialized on: a new prompt length must not compile another kernel in the user's turn)
     @triton.jit(do_not_specialize=["tq", "offset", "n_vert", "n_grp", "cov_len"])
     def _vs_kernel(Q, K, V, KV_K, KV_V, O, VERT, DLO, DHI, COV, VBEF, VCNT, GCNT, PAIRS, SKIP, tq, offset, n_vert, n_grp,
@@ -124,23 +140,12 @@ if triton is not None:
         else:
             n_b = 0
         n_v = tl.load(VCNT + h * n_mb + m)                                    # ... and before the block's end
-        kv_at = h.to(tl.int64) * n_vert                                       # this head's gathered columns
-        for j in range(0, n_b, BN):            # columns no run covers, before every row: one bias per column
-            idx = j + tl.arange(0, BN)
-            ok = idx < n_b
-            cols = tl.load(VERT + kv_at + idx, mask=ok, other=0)
-            cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
-            kt, vt = _kv(KV_K + kv_at * D, KV_V + kv_at * D, 0, idx, ok, 0, D, D, offs_d, BN, D, False, True)
-            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok & (cov == 0), pos, row_ok,
-                                           qk_scale, 1)
-        for j in range(n_b, n_v, BN):                                         # the block's own columns: causal
-            idx = j + tl.arange(0, BN)
-            ok = idx < n_v
-            cols = tl.load(VERT + kv_at + idx, mask=ok, other=0)
-            cov = tl.load(COV + h * cov_len + (m0 - cols + BM - 1), mask=ok, other=1)
-            kt, vt = _kv(KV_K + kv_at * D, KV_V + kv_at * D, 0, idx, ok, 0, D, D, offs_d, BN, D, False, True)
-            acc, m_i, l_i, n_pairs = _tile(acc, m_i, l_i, n_pairs, q, kt, vt, cols, ok & (cov == 0), pos, row_ok,
-                                           qk_scale, 2)
+        at = h.to(tl.int64) * n_vert                                          # this head's columns, gathered
+        kk, vv, c_at = KV_K + at * D, KV_V + at * D, h * cov_len
+        acc, m_i, l_i, n_pairs = _columns(acc, m_i, l_i, n_pairs, q, VERT + at, COV + c_at, kk, vv, 0, n_b, m0, pos,
+                                          row_ok, qk_scale, offs_d, BM, BN, D, 1)     # before every row
+        acc, m_i, l_i, n_pairs = _columns(acc, m_i, l_i, n_pairs, q, VERT + at, COV + c_at, kk, vv, n_b, n_v, m0,
+                                          pos, row_ok, qk_scale, offs_d, BM, BN, D, 2)  # the block's own: causal
         _finish(O, PAIRS, acc, l_i, n_pairs, rows, row_ok, h, h * n_mb + m, so_t, so_h, offs_d)
 
     @triton.jit(do_not_specialize=["tq", "tk", "offset", "max_k"])
