@@ -209,7 +209,7 @@ def main() -> int:
         q = med(quiet, "decode_tok_s")
         result["decode_tok_s"]["app_quiet"] = q
         print(f"the same process watched with its views not drawn (steps recorded, sent and received, no draw): decode "
-              f"{q:.2f} tok/s ({q / u:.2f}x unwatched; drawing then costs {d['app'] / q:.2f}x), TTFT "
+              f"{q:.2f} tok/s ({q / u:.2f}x unwatched; watched and drawing ran at {d['app'] / q:.2f}x of it), TTFT "
               f"{1e3 * med(quiet, 'ttft_s'):.1f} ms")
     if control:
         c = med(control, "decode_tok_s")

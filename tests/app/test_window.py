@@ -296,9 +296,8 @@ def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
     window.open_document(str(long_doc))
     qtbot.waitUntil(lambda: window.document_panel.document_name() == long_doc.name and not window.is_busy(),
                     timeout=30_000)
-    panel = window.policy_panel
-    if window.worker.engine_config["mode"] != "layerwise":     # (in the module's order an earlier test chose it)
-        panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
+    panel = window.policy_panel                             # layerwise (in the module's order: already chosen)
+    panel.mode_combo.setCurrentIndex(panel.mode_combo.findData("layerwise"))
     assert window.masks.showing_hint()
     panel.policy_combo.setCurrentIndex(panel.policy_combo.findData("minference"))
     params = panel._params["minference"]
@@ -308,10 +307,9 @@ def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
     window.docks["masks"].raise_()
     try:
         ask(qtbot, window, QUESTION)       # ~500 tokens: the pattern keeps too much for the CPU to win: dense
-        llm = window.worker.llm
-        assert window.worker.engine_config["mode"] == "layerwise"
-        assert window.masks.showing_hint() and "the last prefill ran dense (the pattern keeps" in \
-            window.masks.hint_label.text() and "dense attention is faster on the CPU" in window.masks.hint_label.text()
+        llm, hint = window.worker.llm, window.masks.hint_label.text()
+        assert window.worker.engine_config["mode"] == "layerwise" and window.masks.showing_hint() and \
+            "the last prefill ran dense (the pattern keeps" in hint and "dense attention is faster on the CPU" in hint
         params["cpu_dense_above"].setValue(1.0)                 # sparse anyway, to see the masks
         ask(qtbot, window, QUESTION)
         assert window.worker.engine_config["policy_params"] == {"vertical": 0.1, "slash": 0.3, "min_len": 256,
