@@ -7,7 +7,7 @@ reference). Both also count the pairs they computed per head, so the density a p
 
 Queries are the last Tq of Tk positions (q row i sits at position offset + i, offset = Tk - Tq); a query block m
 holds q rows [m*BM, (m+1)*BM), its first position is m0 = offset + m*BM. GQA-native: query head h reads kv head
-h // G in place; K/V are never repeated.
+h // G in place; K/V are never repeated (the CUDA kernel copies only vertical-slash's columns, per query head).
 
 Vertical-slash, per query head: sorted slash diagonals d (key = query position - d) and sorted vertical columns.
 In query block m the diagonal d covers the keys [m0 - d, m0 - d + BM - 1] (every row of the block sees the whole

@@ -4,8 +4,10 @@ references they are tested against; its `*_attention` functions dispatch here on
 Each program is one (query head, query block of BM rows): its q stays in registers while key tiles of BN pass
 through an online softmax (`_tile`), the tiles loaded by `_kv`: plain pointer loads, or, on Hopper, bulk copies
 through tensor descriptors (TMA) where the strides allow. Tiles wholly before every row of the block run unmasked
-in one flat loop (Triton pipelines it), the rest masked. Both kernels count the pairs they computed. A dense gate
-may launch a kernel before it knows its own answer: `SKIP` (a device flag) makes every program exit at once.
+in one flat loop (Triton pipelines it), the rest masked. Vertical-slash's columns come from a per-head gathered
+copy of their keys and values (made before the launch), and those before a block's first row take one bias per
+column instead of a mask per pair (`_tile`'s MASK 1). Both kernels count the pairs they computed. A dense gate may
+launch a kernel before it knows its own answer: `SKIP` (a device flag) makes every program exit at once.
 """
 from __future__ import annotations
 
@@ -97,9 +99,8 @@ if triton is not None:
 
     # (prompt sizes, not specialized on: a new prompt length must not compile another kernel in the user's turn)
     @triton.jit(do_not_specialize=["tq", "offset", "n_vert", "n_grp", "cov_len"])
-    def _vs_kernel(Q, K, V, KV_K, KV_V, O, VERT, DLO, DHI, COV, VBEF, VCNT, GCNT, PAIRS, SKIP, tq, offset, n_vert, n_grp,
-                   cov_len,
-                   qk_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+    def _vs_kernel(Q, K, V, KV_K, KV_V, O, VERT, DLO, DHI, COV, VBEF, VCNT, GCNT, PAIRS, SKIP, tq, offset, n_vert,
+                   n_grp, cov_len, qk_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
         if tl.load(SKIP) != 0:                                                # the dense gate said no (see _skip)
             return
@@ -251,8 +252,8 @@ def vertical_slash_triton(q, k, v, pat: VerticalSlash, scale: float, block_n: in
     vert = pat.vertical.int().contiguous()
     kvh = (torch.arange(hq, device=q.device) // (hq // k.shape[1]))[:, None]
     kv_k, kv_v = (k[vert.long(), kvh], v[vert.long(), kvh]) if vert.shape[1] else (k, v)
-    _vs_kernel[(hq, n_mb)](q, k, v, kv_k, kv_v, o, vert, d_lo, d_hi, cov, vbef, vcnt, gcnt, pairs, _skip(skip, q.device), tq, off,
-                           vert.shape[1],
+    _vs_kernel[(hq, n_mb)](q, k, v, kv_k, kv_v, o, vert, d_lo, d_hi, cov, vbef, vcnt, gcnt, pairs,
+                           _skip(skip, q.device), tq, off, vert.shape[1],
                            d_lo.shape[1], cov.shape[1], scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0),
                            k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
                            G=hq // k.shape[1], BM=bm, BN=block_n, D=d, SPLIT=split,
