@@ -140,26 +140,28 @@ def main() -> int:
     other = EngineOnly(engine, str(SAMPLE), args.tokens) if args.control else None
     with_app, without, traced, control, refresh, backlog, unwatched, quiet = [], [], [], [], [], [], [], []
 
-    def app_turn() -> None:
+    def window_turn(into: list, draw: bool = True, watch: bool = True) -> None:
+        """One turn asked in the window: its views' pump stopped unless `draw`, View -> Watch off unless `watch`."""
         win.new_chat()                                                         # the same prompt: no history
         win.telemetry.reset_stats()
-        if args.no_draw:
+        if not draw:
             win.telemetry.stop()
-        with_app.append(ask_and_wait(app, win, QUESTION, 600))
-        refresh.append(win.telemetry.stats())
-        backlog.append(getattr(win.worker, "backlog", 0))
+        win.watch_action.setChecked(watch)
+        into.append(ask_and_wait(app, win, QUESTION, 600))
+        win.watch_action.setChecked(True)
         win.telemetry.start()
 
+    def app_turn() -> None:
+        window_turn(with_app, draw=not args.no_draw)
+        refresh.append(win.telemetry.stats())
+        backlog.append(getattr(win.worker, "backlog", 0))
+
     def unwatched_turn() -> None:                                              # the same engine, View → Watch off
-        win.new_chat()
-        win.watch_action.setChecked(False)
-        unwatched.append(ask_and_wait(app, win, QUESTION, 600))
-        win.watch_action.setChecked(True)
+        window_turn(unwatched, watch=False)
+
     def quiet_turn() -> None:                                                  # watched, but the views not drawn
-        win.new_chat()
-        win.telemetry.stop()
-        quiet.append(ask_and_wait(app, win, QUESTION, 600))
-        win.telemetry.start()
+        window_turn(quiet, draw=False)
+
     turns = [lambda: without.append(alone.turn(False)), lambda: traced.append(alone.turn(True)), app_turn,
              unwatched_turn] + ([quiet_turn] if args.quiet_turn else [])
     if other is not None:

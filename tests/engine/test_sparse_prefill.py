@@ -141,9 +141,9 @@ def test_vertical_slash_triton_many_columns(dtype, split):
 
 @pytest.mark.parametrize("seed,diagonal", [(1, False), (2, False), (3, True)])
 def test_vertical_slash_triton_runs_off_the_diagonal(seed, diagonal):
-    """Runs that never touch the diagonal, as tiles at fixed offsets: several merged diagonals (whole tiles and a
-    narrower last one), runs that cross key 0 in the first blocks, a ragged last block, with and without a run at
-    the diagonal itself."""
+    """Slash runs that never touch the diagonal: several merged diagonals (runs wider than a tile, with a narrower
+    last tile), runs that cross key 0 in the first blocks, a ragged last block, with and without a run at the
+    diagonal itself."""
     pytest.importorskip("triton")
     from engine.ops.sparse_triton import vertical_slash_triton
     tq, tk, bm = 75, 100, 32
