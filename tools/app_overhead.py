@@ -15,8 +15,10 @@ second engine-only process) take their turns,
 `--runs` rounds, the order rotating each round, every process alive throughout: they see the same host (a GPU host's
 decode in the offload modes is bound by Python on the host and varied by +-30% from turn to turn there, so the rounds
 must interleave, and medians of a few are not enough; two identical processes differed by up to 17%). It reports
-medians with their ratios, and the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
-turns. All use the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
+medians with their ratios, the telemetry pump's figures (draws/s, draw time, GUI thread share) from the app's
+turns, and where each kind of turn's engine thread spent its time (/proc's per-thread clocks: on a CPU, runnable but
+waiting for one, or off a CPU, e.g. waiting for the GIL), with the CPU its other threads and the window's process
+used. All use the same thread settings (OPENBLAS_NUM_THREADS / OMP_WAIT_POLICY from the environment).
 """
 from __future__ import annotations
 
@@ -62,6 +64,43 @@ llm.close()
 """
 
 
+def thread_clocks(pid: int) -> dict[int, tuple[int, int, int]]:
+    """A process's threads -> (CPU ns, ns runnable but waiting for a CPU, involuntary switches), from /proc (Linux;
+    empty elsewhere). Their differences over a turn say where its engine thread's time went: on a CPU, waiting for
+    one, or off it (the GIL, the GPU, a pipe)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            cpu, wait, _ = (int(v) for v in (task / "schedstat").read_text().split())
+            status = (task / "status").read_text()
+        except (OSError, ValueError):                  # the thread ended meanwhile, or no schedstat
+            continue
+        forced = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        out[int(task.name)] = (cpu, wait, forced)
+    return out
+
+
+class TurnClock:
+    """Around one turn: the CPU use of the engine's thread (the process's main thread), of the engine process's
+    other threads, and of the window's process, in ms."""
+
+    def __init__(self, engine_pid: int | None, window: bool = True):
+        self.engine, self.window = engine_pid or -1, os.getpid() if window else -1   # -1: none (on the window's
+        self.pids = [self.engine, self.window]                                        # engine thread: not split)
+        self.before = {p: thread_clocks(p) for p in self.pids}
+
+    def read(self) -> dict:
+        engine, window = self.pids
+        diff = {}
+        for pid in self.pids:
+            after = thread_clocks(pid)
+            diff[pid] = {t: [a - b for a, b in zip(v, self.before[pid].get(t, (0, 0, 0)))] for t, v in after.items()}
+        main = diff[engine].get(engine, [0, 0, 0])
+        return {"engine_cpu_ms": main[0] / 1e6, "engine_wait_ms": main[1] / 1e6, "engine_forced": main[2],
+                "engine_others_cpu_ms": sum(v[0] for t, v in diff[engine].items() if t != engine) / 1e6,
+                "window_cpu_ms": sum(v[0] for v in diff[window].values()) / 1e6}
+
+
 class EngineOnly:
     """The engine without the app, in a process of its own that answers a turn on request."""
 
@@ -78,9 +117,10 @@ class EngineOnly:
         return line
 
     def turn(self, traced: bool) -> dict:
+        clock = TurnClock(self.proc.pid, window=False)
         self.proc.stdin.write("traced\n" if traced else "plain\n")
         self.proc.stdin.flush()
-        return json.loads(self._read())
+        return {**json.loads(self._read()), "clock": clock.read()}
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -147,7 +187,8 @@ def main() -> int:
         if not draw:
             win.telemetry.stop()
         win.watch_action.setChecked(watch)
-        into.append(ask_and_wait(app, win, QUESTION, 600))
+        clock = TurnClock(getattr(win.worker, "pid", None))
+        into.append({**ask_and_wait(app, win, QUESTION, 600), "clock": clock.read()})
         win.watch_action.setChecked(True)
         win.telemetry.start()
 
@@ -218,6 +259,15 @@ def main() -> int:
         result["decode_tok_s"]["control_traced"] = c
         print(f"control, a second engine-only process, traced: decode {c:.2f} tok/s ({c / d['engine_traced']:.2f}x the "
               f"first one traced), TTFT {1e3 * med(control, 'ttft_s'):.1f} ms")
+    print("where the engine's thread spent each turn (medians, ms: on a CPU / runnable, waiting for one / the turn's "
+          "prefill and decode; involuntary switches; its process's other threads' CPU; the window process's CPU):")
+    for name, rows in result["turns"].items():
+        c = [r["clock"] for r in rows]
+        mc = {k: statistics.median(x[k] for x in c) for k in c[0]}
+        wall = statistics.median(1e3 * (r["ttft_s"] + (r["completion_tokens"] - 1) / r["decode_tok_s"]) for r in rows)
+        print(f"  {name:15s} {mc['engine_cpu_ms']:8.1f} / {mc['engine_wait_ms']:6.1f} / {wall:7.1f} turn; "
+              f"{mc['engine_forced']:5.0f} forced; others {mc['engine_others_cpu_ms']:7.1f}; window "
+              f"{mc['window_cpu_ms']:7.1f}")
     if not args.engine_thread:
         print(f"engine process: at most {max(backlog)} messages queued for the window in a turn"
               + (" (the pump stopped: nothing drawn)" if args.no_draw else ""))
