@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object at the end (answer + stats)")
     c.add_argument("--trace", type=Path, default=None, help="write what the engine did as a Chrome trace-event "
                    "JSON for Perfetto / chrome://tracing (.json or .json.gz)")
+    c.add_argument("--record", type=Path, default=None, metavar="FILE", help="save the turn as a recording "
+                   "(everything the app's views show, with the document and the answer): open it with `python main.py "
+                   "FILE`, on any machine, without the model")
     k = sub.add_parser("kv-store", help="show or clear the disk KV tier")
     k.add_argument("action", choices=("show", "clear"))
     k.add_argument("--dir", default=None, help="the store's folder (default: kvscope/kv in the user cache folder)")
@@ -229,6 +232,8 @@ def _chat(args) -> int:
     get_spec(policy).check_mode(args.mode)
     if args.trace is not None:
         check_output_path(args.trace, "--trace")
+    if args.record is not None:
+        check_output_path(args.record, "--record", "run.kvscope")
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams
@@ -243,17 +248,21 @@ def _chat(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
     recorder = None
-    if args.trace is not None:
-        recorder = TraceRecorder(max_steps=args.max_new_tokens + 64,
-                                 device=EngineConfig(device=args.device).resolve_device())
-    with LLM(args.model, progress=_progress, recorder=recorder, device=args.device, dtype=args.dtype,
-             max_model_len=args.max_model_len, mode=args.mode, ring_slots=args.ring_slots,
-             gpu_kv_budget_gb=args.gpu_kv_budget, host_kv_gb=args.host_kv_gb,
-             prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size, policy=policy,
-             policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
-             kv_store_gb=args.kv_store_gb) as llm:     # closed at the end: threads joined, last writes done
+    device = EngineConfig(device=args.device).resolve_device()
+    if args.trace is not None:                        # every step's timeline
+        recorder = TraceRecorder(max_steps=args.max_new_tokens + 64, device=device)
+    elif args.record is not None:                     # as the app records: a decode timeline ten times a second
+        recorder = TraceRecorder.live(device, max_steps=args.max_new_tokens + 64)
+    engine = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  mode=args.mode, ring_slots=args.ring_slots, gpu_kv_budget_gb=args.gpu_kv_budget,
+                  host_kv_gb=args.host_kv_gb, prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size,
+                  policy=policy, policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
+                  kv_store_gb=args.kv_store_gb)
+    with LLM(progress=_progress, recorder=recorder, **engine) as llm:   # closed at the end: threads joined, last writes done
         llm.warm_up(_progress)                        # CUDA: compiled and captured before the question, not in it
         messages = document_messages(document.text, question, document.name, args.system)
+        first_step = recorder.steps[-1].step + 1 if recorder is not None and recorder.steps else 0
+        conversation = _begin_record(args, llm, messages, document.text, first_step)
         answer = []
         stats = None
         for chunk in llm.stream(messages, params):
@@ -278,8 +287,44 @@ def _chat(args) -> int:
             if args.mode != "gpu":
                 print(f"{args.mode}: KV moved host->device {stats.bytes_h2d / 2**20:,.1f} MiB, device->host "
                       f"{stats.bytes_d2h / 2**20:,.1f} MiB", file=sys.stderr)
-    if recorder is not None:
+        if conversation is not None:
+            _save_record(args, llm, conversation, question, "".join(answer), stats, engine, document,
+                         [s for s in recorder.steps if s.step >= first_step], doc_path)
+    if args.trace is not None:
         path = write_chrome_trace(list(recorder.steps), args.trace)
         print(f"trace: {len(recorder.steps)} steps written to {path} (open it in https://ui.perfetto.dev)",
               file=sys.stderr)
     return 0
+
+
+def _begin_record(args, llm, messages: list[dict], text: str, first_step: int):
+    """--record: the turn's Conversation, with the token map Quest's pages are shown in the document by."""
+    if args.record is None:
+        return None
+    from app.quest_highlight import token_char_map
+    from app.record import Conversation
+    conversation = Conversation()
+    if llm.runner.policy.plans_loads:
+        token_map, why = token_char_map(llm.tokenizer, messages, llm.chat_prompt_ids(messages), text)
+        conversation.begin_turn({"map": token_map, "reason": why, "first_step": first_step})
+    return conversation
+
+
+def _save_record(args, llm, conversation, question: str, answer: str, stats, engine: dict, document, steps: list,
+                 doc_path: Path) -> None:
+    from app.prompt import document_messages
+    from app.record import model_info, turn_stats
+    from engine.trace.recording import save_recording
+    conversation.end_turn(question, answer, turn_stats(stats, llm), engine, steps)
+    tokens = len(llm.chat_prompt_ids(document_messages(document.text, "", document.name)))   # as the window counts
+    meta = {"origin": "command line", "device": str(llm.device),
+            "app": {"model": model_info(llm), "engine": engine, "sampling": {
+                        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                        "max_tokens": args.max_new_tokens, "seed": args.seed},
+                    "system_prompt": args.system or "",
+                    "document": {"name": document.name, "path": str(doc_path), "tokens": tokens,
+                                 "encoding": document.encoding if document.kind != "pdf" else ""}}}
+    path = save_recording(conversation.recording(document.text, meta), args.record)
+    print(f"recording: {len(steps)} steps, {path.stat().st_size / 2**20:,.1f} MiB written to {path} (open it with "
+          f"`python main.py {path}`)", file=sys.stderr)
+

@@ -24,8 +24,8 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 from app.documents import Document, load_document
 from app.prompt import document_messages
 from app.quest_highlight import token_char_map
+from app.record import model_info, turn_stats
 from engine.errors import KVScopeError
-from engine.sparse.specs import get_spec
 
 
 TEXT_EVERY_S = 0.03   # one cross-thread signal per token at GPU speed kept the GUI thread (and the GIL) busy
@@ -163,15 +163,7 @@ class EngineWorker(WorkerBase):
             self._announce(self.document)
 
     def _ready(self) -> None:
-        import torch
-
-        from engine import POLICIES
-        llm = self.llm
-        self.model_ready.emit({"name": llm.model_name, "device": str(llm.device),
-                               "dtype": str(llm.dtype).removeprefix("torch."), "mode": llm.config.mode,
-                               "max_model_len": llm.max_model_len, "policies": list(POLICIES),
-                               "policy": llm.config.policy, "threads": torch.get_num_threads(),
-                               "plan": llm.plan.describe() if llm.plan is not None else ""})
+        self.model_ready.emit(model_info(self.llm))
 
     @Slot(str)
     def open_document(self, path: str) -> None:
@@ -253,10 +245,7 @@ class EngineWorker(WorkerBase):
         if stats is not None:
             if stats.finish_reason != "cancelled":
                 self.history += [{"role": "user", "content": question}, {"role": "assistant", "content": "".join(answer)}]
-            d = stats.to_dict()
-            d["t_done"] = time.time()
-            d["policy"], d["policy_phase"] = llm.config.policy, get_spec(llm.config.policy).phase
-            self.answer_done.emit(d)
+            self.answer_done.emit(turn_stats(stats, llm))
 
     def _token_map(self, llm, messages: list[dict], text: str, first_step: int) -> dict | None:
         """For the highlight of what Quest reads: each prompt token's document characters (app/quest_highlight.py),

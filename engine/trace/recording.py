@@ -1,0 +1,241 @@
+"""Recordings: one `.kvscope` file with everything the views draw for a conversation, to open without a model.
+
+    rec = Recording(meta={...}, document="text", turns=[{...}], steps=[StepTrace, ...])
+    save_recording(rec, "run.kvscope")            # written beside, then renamed: never half a file
+    rec = load_recording("run.kvscope")           # RecordingError (one line) for anything that is not one
+
+The format (version 1) is a zip archive, open to any tool:
+
+- `manifest.json`: {"format": "kvscope-recording", "version": 1, "created" (UTC, ISO 8601), "host", "platform",
+  "app": {model, engine, document (name, path, tokens, encoding), sampling, system_prompt, panel},
+  "turns": [{question, answer, stats, engine, first_step, last_step, token_map (the name of its array or null),
+  token_map_reason}], "n_steps"}. `app` and each turn's `stats`/`engine` are what the app and the engine reported
+  (free-form JSON, for the views).
+- `document.txt`: the document's text (UTF-8); Quest's pages map into it through a turn's token map.
+- `steps.json`: one object per engine step: step, phase, n_tokens, t0_us, t1_us, device, detailed, windows,
+  metrics, `spans` as rows [lane, name, t0_us, t1_us, layer, bytes, slot, args], `slots` as rows [t_us, slot,
+  layer, state, tokens, capacity], `quest` (per bulk record: step, layers, n_pages, page_size and the names of its
+  pages / scores / positions arrays; single picks likewise), `masks` (per head: layer, head, n, density and the
+  names of its vertical / slash / image arrays). Times are µs on the recording engine's clock.
+- `arrays.npz`: the arrays those names refer to (numpy's npz): Quest pages int32 [layers, Hkv, k],
+  scores float32, positions int32; masks' vertical and slash indices, mask images; token maps int32 [tokens, 2].
+- `trace.json`: the same steps as Chrome trace events: opens in Perfetto (ui.perfetto.dev) as it is.
+
+A reader refuses a newer version with a message that says so; fields it does not know are ignored, so a version
+adds fields without a new number. Nothing here imports torch or Qt.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.trace.chrome import to_chrome_trace
+from engine.trace.events import LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span, StepTrace
+
+FORMAT = "kvscope-recording"
+VERSION = 1
+SUFFIX = ".kvscope"
+
+
+class RecordingError(ValueError):
+    """A file that cannot be read as a recording, in one line naming the file, the problem and the fix."""
+
+
+@dataclass
+class Recording:
+    """What a recording holds. `turns`: dicts with question, answer, stats, engine, first_step, last_step and
+    optionally token_map (int32 [n, 2] numpy: each prompt token's document characters, app/quest_highlight.py) and
+    token_map_reason. `meta`: the manifest's other fields (app, created, host, platform; `source` is the file it
+    was read from)."""
+    meta: dict = field(default_factory=dict)
+    document: str = ""
+    turns: list[dict] = field(default_factory=list)
+    steps: list[StepTrace] = field(default_factory=list)
+
+    def turn_steps(self, i: int) -> list[StepTrace]:
+        """The steps of turn i (those numbered first_step..last_step)."""
+        t = self.turns[i]
+        return [s for s in self.steps if t["first_step"] <= s.step <= t["last_step"]]
+
+    @property
+    def label(self) -> str:
+        """A short name: the model, policy and mode of the last turn, where and when it was made."""
+        app, turn = self.meta.get("app") or {}, (self.turns[-1] if self.turns else {})
+        engine = turn.get("engine") or app.get("engine") or {}
+        model = (app.get("model") or {}).get("name") or engine.get("model") or "model"
+        return (f"{model} · {engine.get('policy', 'full')} · {engine.get('mode', 'gpu')} · "
+                f"{self.meta.get('device') or (app.get('model') or {}).get('device', '?')} · "
+                f"{self.meta.get('host', '?')} {str(self.meta.get('created', ''))[:16].replace('T', ' ')}")
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+class _Arrays:
+    """Arrays by name, for arrays.npz."""
+
+    def __init__(self):
+        self.data: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, a) -> str | None:
+        if a is None:
+            return None
+        self.data[name] = np.asarray(a)
+        return name
+
+
+def _step_json(s: StepTrace, arrays: _Arrays) -> dict:
+    lanes = {lane: i for i, lane in enumerate(LANES)}
+    p = f"s{s.step}_"
+    quest = []
+    picks = s.quest if isinstance(s.quest, QuestPicks) else QuestPicks(list(s.quest))
+    for i, (step, layers, pages, scores, n_pages, positions, page_size) in enumerate(picks._bulk):
+        quest.append({"step": int(step), "layers": [int(x) for x in layers], "n_pages": [int(x) for x in n_pages],
+                      "page_size": int(page_size), "pages": arrays.put(f"{p}q{i}_pages", pages),
+                      "scores": arrays.put(f"{p}q{i}_scores", scores),
+                      "positions": arrays.put(f"{p}q{i}_positions", positions)})
+    for i, q in enumerate(picks._single):
+        quest.append({"single": True, "step": int(q.step), "layer": int(q.layer), "kv_head": int(q.kv_head),
+                      "n_pages": int(q.n_blocks), "page_size": int(q.page_size),
+                      "pages": arrays.put(f"{p}p{i}_pages", q.blocks), "scores": arrays.put(f"{p}p{i}_scores", q.scores),
+                      "positions": arrays.put(f"{p}p{i}_positions", q.positions)})
+    masks = [{"layer": int(m.layer), "head": int(m.head), "n": int(m.n), "density": float(m.density),
+              "vertical": arrays.put(f"{p}m{i}_v", m.vertical), "slash": arrays.put(f"{p}m{i}_s", m.slash),
+              "image": arrays.put(f"{p}m{i}_i", m.image)} for i, m in enumerate(s.masks)]
+    return {"step": s.step, "phase": s.phase, "n_tokens": s.n_tokens, "t0_us": s.t0_us, "t1_us": s.t1_us,
+            "device": s.device, "detailed": s.detailed, "windows": s.windows, "metrics": s.metrics,
+            "spans": [[lanes.get(x.lane, x.lane), x.name, x.t0_us, x.t1_us, x.layer, x.bytes, x.slot, x.args]
+                      for x in s.spans],
+            "slots": [[x.t_us, x.slot, x.layer, x.state, x.tokens, x.capacity] for x in s.slots],
+            "quest": quest, "masks": masks}
+
+
+def _jsonable(v):
+    """numpy scalars and arrays in free-form dicts (stats, configs) as plain JSON values."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
+    """Write `rec` to `path` (a temporary file beside it, then renamed). Returns the path."""
+    path = Path(path)
+    arrays = _Arrays()
+    turns = []
+    for i, t in enumerate(rec.turns):
+        turn = {k: v for k, v in t.items() if k != "token_map"}
+        turn["token_map"] = arrays.put(f"turn{i}_token_map", t.get("token_map"))
+        turns.append(_jsonable(turn))
+    steps = [_step_json(s, arrays) for s in rec.steps]
+    meta = {k: v for k, v in rec.meta.items() if k not in ("format", "version", "turns", "n_steps", "source")}
+    manifest = {"format": FORMAT, "version": VERSION,
+                "created": meta.pop("created", None) or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "host": meta.pop("host", None) or socket.gethostname(),
+                "platform": meta.pop("platform", None) or platform.platform(), **_jsonable(meta),
+                "turns": turns, "n_steps": len(steps)}
+    npz = io.BytesIO()
+    np.savez(npz, **arrays.data)          # (the archive compresses it: no zip's directory shows through it)
+    fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
+            z.writestr("manifest.json", json.dumps(manifest, indent=1))
+            z.writestr("document.txt", rec.document)
+            z.writestr("steps.json", json.dumps(_jsonable(steps), separators=(",", ":")))
+            z.writestr("arrays.npz", npz.getvalue())
+            z.writestr("trace.json", json.dumps(to_chrome_trace(rec.steps), separators=(",", ":")))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def _step(d: dict, arrays) -> StepTrace:
+    lanes = dict(enumerate(LANES))
+    get = (lambda name: None if name is None else arrays[name])
+    single, bulk = [], []
+    for q in d.get("quest", []):
+        if q.get("single"):
+            single.append(QuestPick(q["step"], q["layer"], q["kv_head"], get(q["pages"]), get(q["scores"]),
+                                    q["n_pages"], get(q["positions"]), q["page_size"]))
+        else:
+            bulk.append((q["step"], q["layers"], get(q["pages"]), get(q["scores"]), q["n_pages"],
+                         get(q["positions"]), q["page_size"]))
+    masks = [MaskSummary(m["layer"], m["head"], get(m["vertical"]), get(m["slash"]), m["n"], m["density"],
+                         get(m["image"])) for m in d.get("masks", [])]
+    spans = [Span(lanes.get(r[0], r[0]) if isinstance(r[0], int) else r[0], *r[1:]) for r in d.get("spans", [])]
+    slots = [SlotState(*r) for r in d.get("slots", [])]
+    windows = [tuple(w) for w in d["windows"]] if d.get("windows") is not None else None
+    return StepTrace(d["step"], d["phase"], d["n_tokens"], d["t0_us"], d["t1_us"], spans, slots,
+                     QuestPicks(single, bulk), masks, d.get("metrics") or {}, d.get("device", "cpu"),
+                     d.get("detailed", True), windows)
+
+
+def load_recording(path: str | os.PathLike) -> Recording:
+    """Read a recording; RecordingError (one line: the file, what is wrong, what to do) for a file that is missing,
+    not a recording, truncated or corrupt, or from a newer format version."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecordingError(f"{path}: no such file; give the path of a .kvscope recording")
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = set(z.namelist())
+            if "manifest.json" not in names:
+                raise RecordingError(f"{path}: not a kvscope recording (no manifest.json in it); record one with "
+                                     "`python main.py chat --record FILE` or File → Save recording")
+            manifest = json.loads(z.read("manifest.json"))
+            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+                raise RecordingError(f"{path}: not a kvscope recording (its manifest is not one)")
+            version = manifest.get("version")
+            if not isinstance(version, int) or version > VERSION:
+                raise RecordingError(f"{path}: made by a newer kvscope (recording format version {version}; this one "
+                                     f"reads up to {VERSION}): update kvscope to open it")
+            document = z.read("document.txt").decode("utf-8")
+            steps_json = json.loads(z.read("steps.json"))
+            with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+    except RecordingError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise RecordingError(f"{path}: not a kvscope recording, or a truncated or corrupt one ({e}); record it "
+                             "again") from None
+    except (KeyError, ValueError, OSError, UnicodeDecodeError) as e:
+        raise RecordingError(f"{path}: a damaged kvscope recording ({type(e).__name__}: {e}); record it "
+                             "again") from None
+    try:
+        steps = [_step(d, arrays) for d in steps_json]
+        turns = []
+        for t in manifest.get("turns", []):
+            turn = dict(t)
+            turn["token_map"] = arrays[t["token_map"]] if t.get("token_map") else None
+            turns.append(turn)
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise RecordingError(f"{path}: a damaged kvscope recording (its steps do not read: {type(e).__name__}: "
+                             f"{e}); record it again") from None
+    meta = {k: v for k, v in manifest.items() if k not in ("turns",)}
+    meta["source"] = str(path)
+    return Recording(meta, document, turns, steps)
+
+
+def is_recording(path: str | os.PathLike) -> bool:
+    """Does `path` look like a recording (by its suffix)? For the command line's `python main.py FILE`."""
+    return str(path).endswith(SUFFIX)
