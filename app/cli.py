@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         from app.gui import run
         return run(sys.argv[:1])
+    if len(argv) == 1 and argv[0].endswith(".kvscope"):   # `python main.py run.kvscope`: open a recording
+        from app.gui import run_recording
+        return run_recording(argv[0])
     args = build_parser().parse_args(argv)
     import warnings
     warnings.showwarning = _one_line_warning

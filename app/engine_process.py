@@ -216,6 +216,8 @@ class ProcessWorker(WorkerBase):
                 if self._quiet:
                     return False
                 self._busy_open = bool(values[0])
+                if not values[0] and self._turn is not None:   # the turn's steps are all in: readable now,
+                    self.turn_steps = list(self._turn)         # before the window hears that it ended
             getattr(self, name).emit(*values)
         elif kind == "done":
             state = rest[0]

@@ -1,20 +1,39 @@
-"""The desktop app: `python main.py` (no arguments) or `kvscope` opens the main window."""
+"""The desktop app: `python main.py` (no arguments) or `kvscope` opens the main window; `python main.py FILE.kvscope`
+opens a recording (no model, no GPU)."""
 from __future__ import annotations
 
 import sys
 
 
-def run(argv: list[str] | None = None, config: dict | None = None) -> int:
-    """Create the QApplication (name "kvscope"), show the main window and run the event loop; the exit code."""
+def _application(argv: list[str]):
     from PySide6.QtWidgets import QApplication
-
-    from app.main_window import MainWindow
-
-    argv = list(sys.argv if argv is None else argv)
     app = QApplication.instance() or QApplication(argv)
     app.setApplicationName("kvscope")
     app.setOrganizationName("kvscope")
     app.setApplicationDisplayName("kvscope")
+    return app
+
+
+def run(argv: list[str] | None = None, config: dict | None = None) -> int:
+    """Create the QApplication (name "kvscope"), show the main window and run the event loop; the exit code."""
+    argv = list(sys.argv if argv is None else argv)
+    app = _application(argv)
+    from app.main_window import MainWindow
     window = MainWindow({"engine_process": True, **(config or {})})   # the engine never shares the GUI's GIL
+    window.show()
+    return app.exec()
+
+
+def run_recording(path: str, argv: list[str] | None = None) -> int:
+    """Open a recording in its own window (exit 2 and one line when the file is not one)."""
+    from engine.trace.recording import RecordingError, load_recording
+    try:
+        rec = load_recording(path)
+    except RecordingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = _application(list(sys.argv[:1] if argv is None else argv))
+    from app.replay import replay_window
+    window = replay_window(rec)
     window.show()
     return app.exec()

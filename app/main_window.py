@@ -14,7 +14,8 @@ LLM keyword arguments under the policy panel's, e.g. model, device, max_model_le
 instead of the last one / the bundled sample), max_new_tokens, restore (window layout from the settings,
 default True), autostart (load the model and open the document now, default True), engine_process (the engine in
 a process of its own, app/engine_process.py: what `python main.py` runs; default False, the engine on the window's
-engine thread, whose `worker.llm` tests can read).
+engine thread, whose `worker.llm` tests can read), recording (a Recording to show instead of an engine:
+app/replay.py, which builds such windows).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from app import pyside_guard
 from app.bundle import bundle_folder, write_bundle
 from app.menus import build_menus
 from app.quest_highlight import QuestHighlight
+from app.record import Conversation
 from app.samples import SAMPLE
 from app.settings import restore_settings, save_settings
 from app.status import StatusBar
@@ -39,6 +41,7 @@ from app.views import VIEWS, ViewSpec, build_docks
 from app.collector import GuiThreadCollector
 from app.engine_process import ProcessWorker
 from app.worker import EngineThread, EngineWorker
+from engine.trace.recording import SUFFIX
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES
 from widgets.policy_panel import POLICIES
@@ -100,6 +103,7 @@ class MainWindow(QMainWindow):
                          else QSettings("kvscope", "kvscope"))
         self.model_info: dict = {}
         self.document_info: dict = {}
+        self.conversation = Conversation()    # the finished turns with their steps (File → Save recording)
         self._pending: deque[str] = deque()   # kinds of the requests sent and not finished: "load" "open" "ask"
         self._head_started = False            # the oldest pending request has begun (busy(True) seen)
         self._stop_when_started = False       # Stop pressed before the pending question began
@@ -136,11 +140,16 @@ class MainWindow(QMainWindow):
         self.document_panel.file_dropped.connect(self.open_document)
         self.policy_panel.config_changed.connect(lambda cfg: self.status.set_policy(POLICIES[cfg["policy"]][0]))
         self.policy_panel.model_folder_chosen.connect(self._on_model_folder)
+        self.quest.slider.valueChanged.connect(lambda *_: self.quest_highlight.show_step(self.quest.current_step()))
 
     def _start_worker(self) -> None:
         self.thread = EngineThread(self)
         self.thread.setObjectName("kvscope-engine")
-        self.worker = ProcessWorker() if self.options.get("engine_process") else EngineWorker()
+        if self.options.get("recording") is not None:                 # a recording's window: no engine
+            from app.replay import ReplayWorker
+            self.worker = ReplayWorker(self.options["recording"])
+        else:
+            self.worker = ProcessWorker() if self.options.get("engine_process") else EngineWorker()
         self.worker.moveToThread(self.thread)
         queued = Qt.ConnectionType.QueuedConnection
         self.request_load.connect(self.worker.load_model, queued)
@@ -218,6 +227,7 @@ class MainWindow(QMainWindow):
         if self.chat.is_streaming():
             return
         self.chat.new_chat()
+        self.conversation.clear()
         self.request_new_chat.emit()      # no busy/finish signals follow: not tracked in _pending
 
     def _on_model_folder(self, folder: str) -> None:
@@ -274,6 +284,8 @@ class MainWindow(QMainWindow):
 
     @Slot(dict)
     def _on_document_ready(self, info: dict) -> None:
+        if info.get("text") != self.document_info.get("text"):
+            self.conversation.clear()                 # a recording holds one document's conversation
         self.document_info = dict(info)
         self.document_panel.set_document(info["name"], info["text"], info["tokens"], info.get("encoding", ""))
         self.quest_highlight.clear()
@@ -288,6 +300,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_token_map(self, info) -> None:
         self.quest_highlight.new_turn(info)      # a new question: highlight its Quest picks (clear without)
+        self.conversation.begin_turn(info)
 
     @Slot(float, str)
     def _on_prefill_progress(self, fraction: float, message: str) -> None:
@@ -301,6 +314,11 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_answer_done(self, stats: dict) -> None:
         self.chat.end_answer(stats)
+        if self.options.get("recording") is None:
+            messages = self.chat.messages()
+            question = next((m["text"] for m in reversed(messages) if m["role"] == "user"), "")
+            self.conversation.end_turn(question, messages[-1]["text"], stats, self.worker.engine_config,
+                                       list(self.worker.turn_steps))
         figures, phase = stats.get("policy_stats") or {}, stats.get("policy_phase")
         dense = figures.get("reason") if figures.get("sparse") is False else None
         self.quest.set_dense_reason(dense if phase == "decode" else None)
@@ -364,6 +382,13 @@ class MainWindow(QMainWindow):
         self.document_panel.dragEnterEvent(event)
 
     def dropEvent(self, event) -> None:
+        recordings = [u.toLocalFile() for u in event.mimeData().urls() if u.toLocalFile().endswith(SUFFIX)]
+        if recordings:                        # a recording opens in a window of its own
+            from app.replay import open_recording_window
+            for path in recordings:
+                open_recording_window(self, path)
+            event.acceptProposedAction()
+            return
         self.document_panel.dropEvent(event)
 
     def shutdown(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:

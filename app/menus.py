@@ -11,6 +11,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
 
 from app.bundle import export_bundle_dialog, export_chat_dialog
+from app.replay import open_recording_dialog, save_recording_dialog
 
 
 def _action(menu, text, slot, shortcut=None) -> QAction:
@@ -28,13 +29,16 @@ def show_about(parent: QWidget) -> None:
 
 
 def build_menus(win: QMainWindow) -> None:
-    """File (open, new chat, exports, quit), View (a toggle per dock, the Quest highlight, reset layout), Help."""
+    """File (open, new chat, exports, recordings, quit), View (a toggle per dock, the Quest highlight, reset layout), Help."""
     file_menu = win.menuBar().addMenu("&File")
     _action(file_menu, "&Open document…", win.open_document_dialog, QKeySequence.StandardKey.Open)
     _action(file_menu, "&New chat", win.new_chat, QKeySequence.StandardKey.New)
     file_menu.addSeparator()
     _action(file_menu, "Export &chat…", lambda: export_chat_dialog(win))
     _action(file_menu, "Export &bundle…", lambda: export_bundle_dialog(win))
+    file_menu.addSeparator()
+    _action(file_menu, "Open &recording…", lambda: open_recording_dialog(win))
+    _action(file_menu, "&Save recording…", lambda: save_recording_dialog(win), QKeySequence.StandardKey.Save)
     file_menu.addSeparator()
     _action(file_menu, "&Quit", win.close, "Ctrl+Q")
     view_menu = win.menuBar().addMenu("&View")

@@ -166,6 +166,13 @@ class QuestHighlight:
                 self._redraw()
                 return
 
+    def show_step(self, step) -> None:
+        """Highlight `step`'s picks (the Quest view's chosen step), if it is a decode step of this turn with picks."""
+        if self._map is not None and step is not None and step.phase == DECODE and step.quest \
+                and step.step >= self._first_step:
+            self._step = step
+            self._redraw()
+
     def current_step(self):
         """The decode step whose picks are highlighted (None before this turn has one)."""
         return self._step

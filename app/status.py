@@ -66,7 +66,7 @@ class EtaEstimator:
 class StatusBar(QStatusBar):
     """Permanent fields (model, device, mode, policy, memory) and a progress bar shown while something loads.
 
-    Read back: `model_label`, `device_label`, `mode_label`, `policy_label`, `memory_label`, `watch_label` (QLabels) and
+    Read back: `recording_label`, `model_label`, `device_label`, `mode_label`, `policy_label`, `memory_label`, `watch_label` (QLabels) and
     `progress` (QProgressBar; its text is the task's message, percentage and ETA)."""
 
     def __init__(self, parent: QWidget | None = None):
@@ -77,6 +77,7 @@ class StatusBar(QStatusBar):
         self.policy_label = QLabel()
         self.memory_label = QLabel("KV —")
         self.watch_label = QLabel()
+        self.recording_label = QLabel()           # a recording's window: where and when it was made
         self.watch_label.setToolTip("View → Watch the engine: while off, the engine records nothing and the views "
                                     "keep what they last showed")
         self.model_label.setToolTip("The model the engine runs")
@@ -90,7 +91,7 @@ class StatusBar(QStatusBar):
         self.progress.setMinimumWidth(320)
         self.progress.hide()
         self.eta = EtaEstimator()
-        for w in (self.progress, self.watch_label, self.model_label, self.device_label, self.mode_label,
+        for w in (self.progress, self.recording_label, self.watch_label, self.model_label, self.device_label, self.mode_label,
                   self.policy_label, self.memory_label):
             self.addPermanentWidget(w)
 
@@ -106,6 +107,9 @@ class StatusBar(QStatusBar):
 
     def set_policy(self, name: str) -> None:
         self.policy_label.setText(f"policy: {name}" if name else "")
+
+    def set_recording(self, text: str) -> None:
+        self.recording_label.setText(text)
 
     def set_watching(self, on: bool) -> None:
         self.watch_label.setText("" if on else "live views paused")

@@ -221,7 +221,9 @@ class ChatView(QWidget):
         widget.set_text(text)
         self._widgets.append(widget)
         self._list_layout.insertWidget(self._list_layout.count() - 1, widget)   # above the stretch
-        widget.setVisible(self._list.isVisible())   # now, not at the layout's next queued update
+        if self._list.isVisible():
+            widget.setVisible(True)           # now, not at the layout's next queued update (before the list is
+                                              # shown, it shows with it)
 
     def _render_answer(self) -> None:
         """Re-render the streaming answer; the next render waits about twice as long as this one took."""

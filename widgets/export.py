@@ -142,10 +142,10 @@ def export_to(widget: QWidget, fmt: str, path: Path) -> Path | None:
     return None
 
 
-def show_export_error(parent: QWidget | None, message: str) -> QMessageBox:
-    """One warning box, "Export failed", with `message` (one line). It does not block: what the user was
-    doing stays as it was."""
-    box = QMessageBox(QMessageBox.Icon.Warning, "Export failed", message, QMessageBox.StandardButton.Ok, parent)
+def show_export_error(parent: QWidget | None, message: str, title: str = "Export failed") -> QMessageBox:
+    """One warning box, `title`, with `message` (one line). It does not block: what the user was doing stays as
+    it was."""
+    box = QMessageBox(QMessageBox.Icon.Warning, title, message, QMessageBox.StandardButton.Ok, parent)
     box.setObjectName("export_error")
     box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     box.open()

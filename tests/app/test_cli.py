@@ -281,20 +281,48 @@ def test_offload_modes_exit_cleanly_every_time(default_model_dir, tmp_path, mode
         assert f"{mode}: KV moved host->device" in proc.stderr
 
 
+def test_record_saves_the_turn_with_its_picks_and_token_map(capsys, default_model_dir, tmp_path):
+    from engine.trace.recording import load_recording
+    doc = tmp_path / "note.txt"
+    doc.write_text("The meeting with the Halvorsen lab is on Tuesday in Bergen. " * 20 + "\n")
+    code, out, err = run_cli(capsys, "--document", str(doc), "--ask", "In which city is the meeting?",
+                             "--max-new-tokens", "6", "--model", str(default_model_dir), "--mode", "layerwise",
+                             "--policy", "quest:token_budget=128:min_context=0:min_layer_mb=0", "--no-kv-store",
+                             "--record", str(tmp_path / "run.kvscope"))
+    assert code == 0 and f"written to {tmp_path / 'run.kvscope'}" in err
+    rec = load_recording(tmp_path / "run.kvscope")
+    turn, = rec.turns
+    assert out.strip() == turn["answer"].strip() and turn["question"] == "In which city is the meeting?"
+    decodes = [s for s in rec.steps if s.phase == "decode"]
+    assert len(decodes) == turn["stats"]["completion_tokens"] - 1 and all(s.quest for s in decodes)
+    assert turn["token_map"].shape == (turn["stats"]["prompt_tokens"], 2) and rec.document.startswith("The meeting")
+    assert rec.meta["app"]["engine"]["policy"] == "quest" and rec.meta["origin"] == "command line"
+
+
+def test_a_recording_that_is_not_one_is_refused_in_one_line(capsys, tmp_path):
+    bad = tmp_path / "x.kvscope"
+    bad.write_text("hello")
+    assert main([str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {bad}: not a kvscope recording") and len(err.strip().splitlines()) == 1
+
+
 BAD_OUTPUTS = [("/proc/nope/t.json", "its folder /proc/nope does not exist"),   # no such folder
                ("/proc/self/t.json", "cannot create a file in /proc/self"),    # a folder nobody can write, root too
                ("{tmp}/a-file/t.json", "a-file is a file, not a folder"),
-               ("{tmp}", "it is a folder; give a file name, e.g. {tmp}/trace.json")]
+               ("{tmp}", "it is a folder; give a file name, e.g. {tmp}/{example}")]
 
 
+@pytest.mark.parametrize("flag, example", [("--trace", "trace.json"), ("--record", "run.kvscope")])
 @pytest.mark.parametrize("where, why", BAD_OUTPUTS)
-def test_an_unwritable_trace_path_is_refused_before_any_work(capsys, tmp_path, where, why):
+def test_an_unwritable_trace_or_recording_path_is_refused_before_any_work(capsys, tmp_path, where, why, flag,
+                                                                           example):
     """The answer used to be computed and then lost when the trace could not be written."""
     (tmp_path / "a-file").write_text("not a folder")
-    where, why = where.format(tmp=tmp_path), why.format(tmp=tmp_path)
-    code, out, err = run_cli(capsys, "--trace", where, "--ask", "hi")
+    where, why = where.format(tmp=tmp_path), why.format(tmp=tmp_path, example=example)
+    code, out, err = run_cli(capsys, flag, where, "--ask", "hi")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1      # nothing loaded, one line
-    assert err.startswith(f"error: --trace {where}: ") and why in err
+    assert err.startswith(f"error: {flag} {where}: ") and why in err
     assert "choose a path in a folder you can write to" in err or "give a file name" in err
 
 
