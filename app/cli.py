@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--record", type=Path, default=None, metavar="FILE", help="save the turn as a recording "
                    "(everything the app's views show, with the document and the answer): open it with `python main.py "
                    "FILE`, on any machine, without the model")
+    r = sub.add_parser("render", help="write recordings' views as PNGs (two: and a comparison sheet), offscreen, "
+                       "without a model or a GPU")
+    r.add_argument("recordings", nargs="+", metavar="FILE.kvscope", help="one recording, or two to compare")
+    r.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the PNGs go (a folder per "
+                   "recording; compare.png for two)")
+    r.add_argument("--size", default="1600x1000", help="window size WxH")
+    m = sub.add_parser("compare", help="open two recordings side by side")
+    m.add_argument("a", metavar="A.kvscope")
+    m.add_argument("b", metavar="B.kvscope")
     k = sub.add_parser("kv-store", help="show or clear the disk KV tier")
     k.add_argument("action", choices=("show", "clear"))
     k.add_argument("--dir", default=None, help="the store's folder (default: kvscope/kv in the user cache folder)")
@@ -198,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _one_line_warning
     if args.command == "kv-store":
         return kv_store_command(args)
+    if args.command in ("render", "compare"):
+        return _recordings_command(args)
     if args.command != "chat":
         build_parser().print_help()
         return 2
@@ -331,3 +342,35 @@ def _save_record(args, llm, conversation, question: str, answer: str, stats, eng
     print(f"recording: {len(steps)} steps, {path.stat().st_size / 2**20:,.1f} MiB written to {path} (open it with "
           f"`python main.py {path}`)", file=sys.stderr)
 
+
+
+def _recordings_command(args) -> int:
+    """`render` and `compare`: one line and exit 2 for a file that is not a recording or a bad output folder."""
+    from engine.paths import output_folder_problem
+    from engine.trace.recording import RecordingError, load_recording
+    try:
+        if args.command == "compare":
+            from app.compare_window import CompareWindow
+            from app.gui import _application
+            a, b = load_recording(args.a), load_recording(args.b)
+            app = _application(sys.argv[:1])
+            window = CompareWindow(a, b)
+            window.show()
+            return app.exec()
+        if len(args.recordings) > 2:
+            raise ConfigError("render takes one recording, or two to compare")
+        if (problem := output_folder_problem(args.out)) is not None:
+            raise ConfigError(f"--out {args.out}: {problem}")
+        try:
+            size = tuple(int(v) for v in args.size.lower().split("x"))
+            assert len(size) == 2 and min(size) > 0
+        except (ValueError, AssertionError):
+            raise ConfigError(f"--size {args.size}: give the window size as WIDTHxHEIGHT, e.g. 1600x1000") from None
+        from app.render import render
+        written = render(args.recordings, args.out, size)
+    except (RecordingError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0

@@ -11,6 +11,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMessageBox, QWidget
 
 from app.bundle import export_bundle_dialog, export_chat_dialog
+from app.compare_window import compare_dialog
 from app.replay import open_recording_dialog, save_recording_dialog
 
 
@@ -39,6 +40,7 @@ def build_menus(win: QMainWindow) -> None:
     file_menu.addSeparator()
     _action(file_menu, "Open &recording…", lambda: open_recording_dialog(win))
     _action(file_menu, "&Save recording…", lambda: save_recording_dialog(win), QKeySequence.StandardKey.Save)
+    _action(file_menu, "Co&mpare with a recording…", lambda: compare_dialog(win))
     file_menu.addSeparator()
     _action(file_menu, "&Quit", win.close, "Ctrl+Q")
     view_menu = win.menuBar().addMenu("&View")

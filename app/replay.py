@@ -87,6 +87,7 @@ def show_recording(win, rec: Recording) -> None:
         if spec.telemetry:                    # every view of the registry the pump feeds has set_steps (it fits)
             win.views[spec.name].set_steps(list(rec.steps))
     win.metrics.update_from_steps(rec.steps[-64:])
+    win.conversation.turns = [{**t, "steps": rec.turn_steps(i)} for i, t in enumerate(rec.turns)]   # save, compare
     if rec.turns and rec.turns[-1].get("token_map") is not None:
         last = rec.turns[-1]
         win.quest_highlight.new_turn({"map": last["token_map"], "reason": last.get("token_map_reason", ""),

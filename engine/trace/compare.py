@@ -1,0 +1,148 @@
+"""Two recorded turns side by side: where their answers part, their speed and bytes, what Quest picked in each
+and how much the picks overlap, and how their sparse prefill masks differ. Plain numpy, no torch, no Qt.
+
+    cmp = compare(rec_a, rec_b)            # the last turn of each (turn_a= / turn_b= pick others)
+    cmp.first_difference                    # character index where the answers first differ (None: equal)
+    cmp.figures                             # [(name, a, b, b / a)] time to first token, tok/s, bytes per token
+    cmp.quest_jaccard                       # [layers, kv heads]: mean Jaccard of the picked pages, aligned steps
+    cmp.mask_density                        # ([layers, heads] of A, of B): the prefill masks' densities
+
+Steps are aligned by their order in the turn: the k-th decode step of A with the k-th of B (the same position in
+the answer while the answers agree). Quest's picks are compared as sets of sequence pages (positions), per layer
+and kv head, over the steps both have; a pick absent from one side (a dense layer, a policy without picks) leaves
+NaN there. Recall (the attention mass a step kept) is listed when the recording measured it (`recall=1`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from engine.trace.events import DECODE, PREFILL, StepTrace
+from engine.trace.recording import Recording
+
+
+@dataclass
+class Comparison:
+    label_a: str
+    label_b: str
+    answer_a: str
+    answer_b: str
+    first_difference: int | None
+    figures: list[tuple[str, float, float, float]]
+    quest_jaccard: np.ndarray | None            # [layers, kv heads], NaN where a side has no pick
+    quest_steps: int                            # aligned decode steps with picks on both sides
+    mask_density: tuple[np.ndarray, np.ndarray] | None   # [layers, heads] per side, NaN where no mask
+    notes: list[str] = field(default_factory=list)
+    steps_a: list[StepTrace] = field(default_factory=list)
+    steps_b: list[StepTrace] = field(default_factory=list)
+
+
+def first_difference(a: str, b: str) -> int | None:
+    """The first character index where `a` and `b` differ (the shorter one's end when one extends the other);
+    None when they are equal."""
+    if a == b:
+        return None
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _figures(turn: dict, steps: list[StepTrace]) -> dict[str, float]:
+    s = turn.get("stats") or {}
+    tokens = max(1, int(s.get("completion_tokens") or 0))
+    decode = [x for x in steps if x.phase == DECODE]
+    h2d = sum(float(x.metrics.get("bytes_h2d", 0.0)) for x in decode)
+    recall = [x.metrics["quest_recall"] for x in decode if "quest_recall" in x.metrics]
+    out = {"time to first token (s)": float(s.get("ttft_s", math.nan)),
+           "prefill (tok/s)": float(s.get("prefill_tok_s", math.nan)),
+           "decode (tok/s)": float(s.get("decode_tok_s", math.nan)),
+           "KV host→device per decode step (MiB)": h2d / max(1, len(decode)) / 2 ** 20,
+           "KV host→device in the turn (MiB)": float(s.get("bytes_h2d", h2d)) / 2 ** 20,
+           "answer tokens": float(tokens)}
+    if recall:
+        out["Quest recall (attention mass kept)"] = float(np.mean(recall))
+    return out
+
+
+def _picks(step: StepTrace) -> dict[tuple[int, int], set[int]]:
+    return {(p.layer, p.kv_head): set(np.asarray(p.positions if p.positions is not None else p.blocks).tolist())
+            for p in step.quest}
+
+
+def quest_overlap(steps_a: list[StepTrace], steps_b: list[StepTrace]) -> tuple[np.ndarray | None, int]:
+    """Mean Jaccard |A ∩ B| / |A ∪ B| of the pages picked per (layer, kv head) over the aligned decode steps that
+    have picks on both sides -> ([layers, kv heads] with NaN where a side never picked, steps compared)."""
+    da = [s for s in steps_a if s.phase == DECODE and s.quest]
+    db = [s for s in steps_b if s.phase == DECODE and s.quest]
+    n = min(len(da), len(db))
+    if n == 0:
+        return None, 0
+    sums: dict[tuple[int, int], list[float]] = {}
+    for a, b in zip(da[:n], db[:n]):
+        pa, pb = _picks(a), _picks(b)
+        for key in pa.keys() & pb.keys():
+            union = len(pa[key] | pb[key])
+            sums.setdefault(key, []).append(len(pa[key] & pb[key]) / union if union else 1.0)
+    layers = max(k[0] for k in sums) + 1 if sums else 0
+    heads = max(k[1] for k in sums) + 1 if sums else 0
+    out = np.full((layers, heads), np.nan)
+    for (l, h), v in sums.items():
+        out[l, h] = float(np.mean(v))
+    return out, n
+
+
+def mask_densities(steps: list[StepTrace]) -> np.ndarray | None:
+    """The first prefill step with masks: density per (layer, head), NaN where none was recorded."""
+    for s in steps:
+        if s.phase == PREFILL and s.masks:
+            out = np.full((max(m.layer for m in s.masks) + 1, max(m.head for m in s.masks) + 1), np.nan)
+            for m in s.masks:
+                out[m.layer, m.head] = m.density
+            return out
+    return None
+
+
+def _pad(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    out = np.full(shape, np.nan)
+    out[:a.shape[0], :a.shape[1]] = a
+    return out
+
+
+def from_zero(steps: list[StepTrace]) -> list[StepTrace]:
+    """Copies of `steps` with every time moved so that the first step starts at 0: two recordings' turns on one
+    time scale (each recording has its own clock)."""
+    if not steps:
+        return []
+    t0 = min(s.t0_us for s in steps)
+    return [replace(s, t0_us=s.t0_us - t0, t1_us=s.t1_us - t0,
+                    spans=[replace(x, t0_us=x.t0_us - t0, t1_us=x.t1_us - t0) for x in s.spans],
+                    slots=[replace(x, t_us=x.t_us - t0) for x in s.slots],
+                    windows=None if s.windows is None else [(w0 - t0, w1 - t0) for w0, w1 in s.windows])
+            for s in steps]
+
+
+def compare(a: Recording, b: Recording, turn_a: int = -1, turn_b: int = -1) -> Comparison:
+    """Turn `turn_a` of recording `a` against turn `turn_b` of `b` (default: the last of each)."""
+    notes = []
+    if not a.turns or not b.turns:
+        raise ValueError("a recording without a finished turn cannot be compared: record a turn first")
+    ia, ib = turn_a % len(a.turns), turn_b % len(b.turns)
+    ta, tb = a.turns[ia], b.turns[ib]
+    sa, sb = a.turn_steps(ia), b.turn_steps(ib)
+    if a.document != b.document:
+        notes.append("the two recordings are of different documents: their prompts differ, so compare their "
+                     "figures with care")
+    if ta.get("question") != tb.get("question"):
+        notes.append("the two turns ask different questions")
+    fa, fb = _figures(ta, sa), _figures(tb, sb)
+    figures = [(k, fa[k], fb.get(k, math.nan), fb.get(k, math.nan) / fa[k] if fa[k] else math.nan) for k in fa]
+    jaccard, n = quest_overlap(sa, sb)
+    ma, mb = mask_densities(sa), mask_densities(sb)
+    masks = None
+    if ma is not None or mb is not None:
+        shape = tuple(max(x.shape[i] for x in (ma, mb) if x is not None) for i in (0, 1))
+        masks = tuple(_pad(x, shape) if x is not None else np.full(shape, np.nan) for x in (ma, mb))
+    return Comparison(a.label, b.label, ta.get("answer", ""), tb.get("answer", ""),
+                      first_difference(ta.get("answer", ""), tb.get("answer", "")), figures, jaccard, n, masks,
+                      notes, sa, sb)

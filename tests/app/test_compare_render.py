@@ -1,0 +1,68 @@
+"""Two real recordings (the default model, Quest at two budgets) compared in the window and rendered headless."""
+import numpy as np
+import pytest
+from PySide6.QtGui import QImage
+
+from app.cli import main
+from app.compare_window import CompareWindow
+from engine.trace.compare import compare
+from engine.trace.recording import load_recording, save_recording
+from tests.app.test_window import _pixel_std
+from tests.engine.test_recording import record
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, default_model_dir):
+    tmp = tmp_path_factory.mktemp("cmp")
+    prompt = list(range(2000, 2900))
+    paths = []
+    for budget in (128, 256):
+        params = {"token_budget": budget, "page_size": 16, "dense_layers": 2, "min_context": 0, "min_layer_mb": 0}
+        paths.append(save_recording(record(default_model_dir, "quest", params, prompt, tokens=4),
+                                    tmp / f"quest{budget}.kvscope"))
+    return paths
+
+
+def test_the_compare_view_shows_the_overlap_the_figures_and_the_answers(qtbot, pair):
+    a, b = (load_recording(p) for p in pair)
+    win = CompareWindow(a, b)
+    qtbot.addWidget(win)
+    win.show()
+    view, cmp = win.view, compare(a, b)
+    shown = view.quest_image()
+    assert shown.shape == cmp.quest_jaccard.shape and np.isfinite(shown[2:]).all()     # sparse layers 2..
+    assert 0 < np.nanmean(shown) < 1                     # a budget twice as large picks more: partial overlap
+    assert "aligned steps" in view.quest.caption.text() and cmp.quest_steps == 3
+    rows = {view.figures_table.item(r, 0).text(): view.figures_table.item(r, 3).text()
+            for r in range(view.figures_table.rowCount())}
+    assert rows["answer tokens"] == "1.00×" and "KV host→device per decode step (MiB)" in rows
+    if cmp.first_difference is None:
+        assert view.difference_label.text() == "The answers are the same."
+    else:
+        assert f"character {cmp.first_difference}" in view.difference_label.text()
+    assert view.timeline_a.bar_count() > 0 and view.timeline_b.bar_count() > 0
+    assert view.timeline_a.visible_ms() == view.timeline_b.visible_ms()      # one time scale
+    assert not view.masks.plot.isVisible() and "neither turn ran a sparse prefill" in view.masks.caption.text()
+
+
+def test_render_writes_each_recordings_views_and_a_comparison_sheet(capsys, pair, tmp_path):
+    out = tmp_path / "figures"
+    assert main(["render", str(pair[0]), str(pair[1]), "--out", str(out), "--size", "1280x800"]) == 0
+    for stem in ("quest128", "quest256"):
+        for name in ("window", "timeline", "quest", "ring", "chat"):
+            img = QImage(str(out / stem / f"{name}.png"))
+            assert not img.isNull() and _pixel_std(img) > 5, (stem, name)
+        assert QImage(str(out / stem / "window.png")).size().toTuple() == (1280, 800)
+    sheet = QImage(str(out / "compare.png"))
+    assert sheet.width() == 1280 and sheet.height() > 600 and _pixel_std(sheet) > 5
+
+
+def test_render_refuses_a_file_that_is_not_a_recording_and_a_bad_folder(capsys, pair, tmp_path):
+    bad = tmp_path / "x.kvscope"
+    bad.write_text("no")
+    assert main(["render", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "not a kvscope recording" in capsys.readouterr().err
+    (tmp_path / "f").write_text("a file")
+    assert main(["render", str(pair[0]), "--out", str(tmp_path / "f" / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out") and "is a file, not a folder" in err and not (tmp_path / "o").exists()

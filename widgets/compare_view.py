@@ -1,0 +1,170 @@
+"""Two recorded turns side by side (engine/trace/compare.py computes what is shown): the two answers with their
+first difference marked, the figures and their ratios, the two timelines on one time scale, Quest's pick overlap
+per layer and kv head, and the prefill masks' densities of A and B.
+
+API: `set_comparison(cmp)`; read back `figures_table`, `answer_a` / `answer_b` (QTextBrowser), `difference_label`,
+`timeline_a` / `timeline_b`, `quest_image()` (the Jaccard array shown), `mask_image()` (B's density minus A's),
+`notes_label`. Exports as a whole with widgets/export.py (PNG, SVG).
+"""
+from __future__ import annotations
+
+import html
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import (QGridLayout, QGroupBox, QHBoxLayout, QLabel, QTableWidget, QTableWidgetItem,
+                               QTextBrowser, QVBoxLayout, QWidget)
+
+from engine.trace.compare import Comparison, from_zero
+from widgets.timeline_view import TimelineView
+
+DIFF_COLOR = "#f6c343"      # the answers from their first difference on
+
+
+def marked(text: str, at: int | None) -> str:
+    """`text` as HTML with everything from character `at` on highlighted (None: nothing)."""
+    if at is None:
+        return f"<p>{html.escape(text)}</p>"
+    return (f"<p>{html.escape(text[:at])}<span style='background:{DIFF_COLOR}; color:black'>"
+            f"{html.escape(text[at:]) or '&nbsp;(ends here)'}</span></p>")
+
+
+def _fmt(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if float(v).is_integer() and abs(v) >= 1:
+        return f"{v:,.0f}"
+    return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+
+
+class _Grid(QWidget):
+    """A small heatmap of a [rows, cols] float array (NaN blank) with a caption, values in [lo, hi]."""
+
+    def __init__(self, title: str, x_label: str, colors: list[str], lo: float, hi: float):
+        super().__init__()
+        self.lo, self.hi, self.values = lo, hi, np.zeros((0, 0))
+        self.caption = QLabel(title, wordWrap=True)
+        self.plot = pg.PlotWidget(background=self.palette().color(QPalette.ColorRole.Base))
+        self.plot.hideButtons()
+        self.plot.getPlotItem().getViewBox().invertY(True)
+        self.plot.getPlotItem().setLabel("left", "layer")
+        self.plot.getPlotItem().setLabel("bottom", x_label)
+        self.img = pg.ImageItem(axisOrder="row-major")
+        self.lut = pg.ColorMap(np.linspace(0, 1, len(colors)), colors).getLookupTable(nPts=256, alpha=True)
+        self.plot.addItem(self.img)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.caption)
+        layout.addWidget(self.plot, 1)
+
+    def set_values(self, values: np.ndarray | None, caption: str) -> None:
+        self.caption.setText(caption)
+        self.values = np.zeros((0, 0)) if values is None else np.asarray(values, dtype=float)
+        self.plot.setVisible(self.values.size > 0)
+        if self.values.size == 0:
+            self.img.clear()
+            return
+        blank = ~np.isfinite(self.values)
+        index = np.clip((np.nan_to_num(self.values) - self.lo) / (self.hi - self.lo) * 255, 0, 255).astype(np.uint8)
+        rgba = self.lut[index]
+        rgba[blank] = 0                                  # no value: transparent
+        self.img.setImage(rgba, levels=[0, 255])
+        rows, cols = self.values.shape
+        self.img.setRect(QRectF(-0.5, -0.5, cols, rows))       # cell (layer, head) centred on its numbers
+        self.plot.getPlotItem().getViewBox().autoRange(padding=0)
+
+
+class CompareView(QWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.comparison: Comparison | None = None
+        self.title_a, self.title_b = QLabel(wordWrap=True), QLabel(wordWrap=True)
+        self.notes_label = QLabel(wordWrap=True)
+        self.notes_label.setStyleSheet("color: #b45309")
+        self.figures_table = QTableWidget(0, 4)
+        self.figures_table.setHorizontalHeaderLabels(["", "A", "B", "B / A"])
+        self.figures_table.verticalHeader().hide()
+        self.figures_table.horizontalHeader().setStretchLastSection(True)
+        self.figures_table.setMinimumHeight(150)
+        self.answer_a, self.answer_b = QTextBrowser(), QTextBrowser()
+        self.difference_label = QLabel(wordWrap=True)
+        self.timeline_a, self.timeline_b = TimelineView(), TimelineView()
+        self.timeline_b.viewbox.setXLink(self.timeline_a.viewbox)     # one time scale: each turn from its start
+        for t in (self.timeline_a, self.timeline_b):
+            t.follow_button.hide()                                      # (recorded turns: nothing to follow)
+        self.quest = _Grid("Quest picks", "kv head", ["#f8fafc", "#1d4ed8"], 0.0, 1.0)
+        self.masks = _Grid("Prefill masks", "head", ["#b91c1c", "#f8fafc", "#15803d"], -0.5, 0.5)
+
+        answers = QGridLayout()
+        answers.addWidget(self.title_a, 0, 0)
+        answers.addWidget(self.title_b, 0, 1)
+        answers.addWidget(self.answer_a, 1, 0)
+        answers.addWidget(self.answer_b, 1, 1)
+        top = QHBoxLayout()
+        top.addLayout(answers, 3)
+        top.addWidget(self.figures_table, 2)
+        grids = QHBoxLayout()
+        grids.addWidget(self.quest)
+        grids.addWidget(self.masks)
+        timelines = QGroupBox("Timelines (each turn from its start, one time scale): A above, B below")
+        tl = QVBoxLayout(timelines)
+        tl.addWidget(self.timeline_a)
+        tl.addWidget(self.timeline_b)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.notes_label)
+        layout.addLayout(top, 3)
+        layout.addWidget(self.difference_label)
+        layout.addWidget(timelines, 4)
+        layout.addLayout(grids, 3)
+
+    def set_comparison(self, cmp: Comparison) -> None:
+        self.comparison = cmp
+        self.title_a.setText(f"<b>A</b>: {html.escape(cmp.label_a)}")
+        self.title_b.setText(f"<b>B</b>: {html.escape(cmp.label_b)}")
+        self.notes_label.setText(" · ".join(cmp.notes))
+        self.notes_label.setVisible(bool(cmp.notes))
+        self.answer_a.setHtml(marked(cmp.answer_a, cmp.first_difference))
+        self.answer_b.setHtml(marked(cmp.answer_b, cmp.first_difference))
+        at = cmp.first_difference
+        if at is None:
+            self.difference_label.setText("The answers are the same.")
+        else:
+            words = len(cmp.answer_a[:at].split())
+            self.difference_label.setText(f"The answers part at character {at} (after {words} words, marked): "
+                                          f"A “{cmp.answer_a[at:at + 24]}…” · B “{cmp.answer_b[at:at + 24]}…”")
+        self.figures_table.setRowCount(len(cmp.figures))
+        for row, (name, a, b, ratio) in enumerate(cmp.figures):
+            for col, text in enumerate((name, _fmt(a), _fmt(b), "—" if math.isnan(ratio) else f"{ratio:.2f}×")):
+                item = QTableWidgetItem(text)
+                if col:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                self.figures_table.setItem(row, col, item)
+        self.figures_table.resizeColumnsToContents()
+        self.timeline_a.set_steps(from_zero(cmp.steps_a))
+        self.timeline_b.set_steps(from_zero(cmp.steps_b))
+        ext = [t.extent_ms() for t in (self.timeline_a, self.timeline_b) if t.extent_ms() is not None]
+        if ext:
+            self.timeline_a.viewbox.setXRange(0, max(e[1] for e in ext), padding=0.01)
+        if cmp.quest_jaccard is None:
+            self.quest.set_values(None, "Quest picks: neither turn (or only one) recorded picks to compare")
+        else:
+            mean = float(np.nanmean(cmp.quest_jaccard)) if np.isfinite(cmp.quest_jaccard).any() else math.nan
+            self.quest.set_values(cmp.quest_jaccard, f"Quest picks: overlap of A's and B's pages (Jaccard, white 0 "
+                                  f"→ blue 1) per layer and kv head over {cmp.quest_steps} aligned steps; mean "
+                                  f"{_fmt(mean)}")
+        if cmp.mask_density is None:
+            self.masks.set_values(None, "Prefill masks: neither turn ran a sparse prefill")
+        else:
+            a, b = cmp.mask_density
+            self.masks.set_values(b - a, f"Prefill masks: density of B minus A per layer and head (red: B kept "
+                                  f"less, green: more); mean A {_fmt(float(np.nanmean(a)) if np.isfinite(a).any() else math.nan)}"
+                                  f", B {_fmt(float(np.nanmean(b)) if np.isfinite(b).any() else math.nan)}")
+
+    def quest_image(self) -> np.ndarray:
+        return self.quest.values
+
+    def mask_image(self) -> np.ndarray:
+        return self.masks.values
