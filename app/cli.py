@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from engine.errors import ConfigError
@@ -338,9 +339,10 @@ def _save_record(args, llm, conversation, question: str, answer: str, stats, eng
                     "system_prompt": args.system or "",
                     "document": {"name": document.name, "path": str(doc_path), "tokens": tokens,
                                  "encoding": document.encoding if document.kind != "pdf" else ""}}}
+    t0 = time.perf_counter()
     path = save_recording(conversation.recording(document.text, meta), args.record)
-    print(f"recording: {len(steps)} steps, {path.stat().st_size / 2**20:,.1f} MiB written to {path} (open it with "
-          f"`python main.py {path}`)", file=sys.stderr)
+    print(f"recording: {len(steps)} steps, {path.stat().st_size / 2**20:,.1f} MiB written to {path} in "
+          f"{time.perf_counter() - t0:.2f} s (open it with `python main.py {path}`)", file=sys.stderr)
 
 
 

@@ -90,7 +90,7 @@ class CompareView(QWidget):
         self.figures_table.horizontalHeader().setStretchLastSection(True)
         self.figures_table.setMinimumHeight(150)
         self.answer_a, self.answer_b = QTextBrowser(), QTextBrowser()
-        self.difference_label = QLabel(wordWrap=True)
+        self.difference_label = QLabel(wordWrap=True, textFormat=Qt.TextFormat.PlainText)
         self.timeline_a, self.timeline_b = TimelineView(), TimelineView()
         self.timeline_b.viewbox.setXLink(self.timeline_a.viewbox)     # one time scale: each turn from its start
         for t in (self.timeline_a, self.timeline_b):
@@ -133,8 +133,10 @@ class CompareView(QWidget):
             self.difference_label.setText("The answers are the same.")
         else:
             words = len(cmp.answer_a[:at].split())
+            def cut(text: str) -> str:
+                return text[at:at + 32].replace("\n", " ⏎ ") or "(ends)"
             self.difference_label.setText(f"The answers part at character {at} (after {words} words, marked): "
-                                          f"A “{cmp.answer_a[at:at + 24]}…” · B “{cmp.answer_b[at:at + 24]}…”")
+                                          f"A “{cut(cmp.answer_a)}…” · B “{cut(cmp.answer_b)}…”")
         self.figures_table.setRowCount(len(cmp.figures))
         for row, (name, a, b, ratio) in enumerate(cmp.figures):
             for col, text in enumerate((name, _fmt(a), _fmt(b), "—" if math.isnan(ratio) else f"{ratio:.2f}×")):
