@@ -33,7 +33,15 @@ def run_recording(path: str, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = _application(list(sys.argv[:1] if argv is None else argv))
-    from app.replay import replay_window
     window = replay_window(rec)
     window.show()
     return app.exec()
+
+
+def replay_window(rec, config: dict | None = None):
+    """A new MainWindow showing the Recording `rec` (not shown yet): app/replay.py."""
+    from app.main_window import MainWindow
+    from app.replay import show_recording
+    win = MainWindow({**(config or {}), "recording": rec, "autostart": False})
+    show_recording(win, rec)
+    return win

@@ -19,7 +19,7 @@ def render(paths: list[str], out: Path, size: tuple[int, int] = (1600, 1000)) ->
     recordings = [load_recording(p) for p in paths]          # every file read before anything is drawn
     from PySide6.QtWidgets import QApplication
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    from app.replay import replay_window
+    from app.gui import replay_window
     from app.screenshots import settle
     written = []
     out.mkdir(parents=True, exist_ok=True)

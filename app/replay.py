@@ -1,10 +1,11 @@
 """Recordings in the window: File → Save recording, File → Open recording, and the window that shows one.
 
-A recording (engine/trace/recording.py) opens in a window of its own (`open_recording_window`), built like the
-live one from the same views, with no model and no torch: a `ReplayWorker` answers for the engine. The chat, the
-document, the views (scrub steps, hover, Quest's pages highlighted in the document) show the recorded turns as after
-a live turn; the status bar says where and when it was recorded; the chat and the policy panel are read-only. The
-live window that opened it keeps everything it had.
+A recording (engine/trace/recording.py) opens in a window of its own: `open_recording_window` from a window,
+app/gui.py's `replay_window` from the command line. It is built like the live one from the same views, with no model
+and no torch: a `ReplayWorker` answers for the engine. The chat, the document, the views (scrub steps, hover,
+Quest's pages highlighted in the document) show the recorded turns as after a live turn; the status bar says where
+and when it was recorded; the chat and the policy panel are read-only. The live window that opened it keeps
+everything it had.
 """
 from __future__ import annotations
 
@@ -100,14 +101,6 @@ def show_recording(win, rec: Recording) -> None:
     win.setWindowTitle(f"{doc.get('name') or 'recording'} — {Path(rec.meta.get('source', '')).name} — kvscope")
 
 
-def replay_window(rec: Recording, config: dict | None = None):
-    """A new MainWindow showing `rec` (not shown yet)."""
-    from app.main_window import MainWindow
-    win = MainWindow({**(config or {}), "recording": rec, "autostart": False})
-    show_recording(win, rec)
-    return win
-
-
 def open_recording_window(parent, path: str | Path):
     """File → Open recording (or a dropped .kvscope file): a new window with it, shown; None and one message when
     the file is not a recording (the window that asked keeps everything)."""
@@ -116,10 +109,10 @@ def open_recording_window(parent, path: str | Path):
     except RecordingError as e:
         show_export_error(parent, str(e), "Cannot open the recording")
         return None
-    win = replay_window(rec, {"settings_path": parent.options.get("settings_path")} if parent is not None else None)
+    win = type(parent)({"settings_path": parent.options.get("settings_path"), "recording": rec, "autostart": False})
+    show_recording(win, rec)
     win.show()
-    if parent is not None:
-        parent._replays = [w for w in getattr(parent, "_replays", []) if w.isVisible()] + [win]   # kept alive
+    parent._replays = [w for w in getattr(parent, "_replays", []) if w.isVisible()] + [win]   # kept alive
     return win
 
 

@@ -41,7 +41,7 @@ def test_the_compare_view_shows_the_overlap_the_figures_and_the_answers(qtbot, p
     else:
         assert f"character {cmp.first_difference}" in view.difference_label.text()
     assert view.timeline_a.bar_count() > 0 and view.timeline_b.bar_count() > 0
-    assert view.timeline_a.visible_ms() == view.timeline_b.visible_ms()      # one time scale
+    assert view.timeline_a.visible_ms() == pytest.approx(view.timeline_b.visible_ms())      # one time scale
     assert not view.masks.plot.isVisible() and "neither turn ran a sparse prefill" in view.masks.caption.text()
 
 

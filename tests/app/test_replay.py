@@ -11,7 +11,8 @@ from PySide6.QtGui import QDropEvent
 from PySide6.QtWidgets import QMessageBox
 
 from app.main_window import MainWindow
-from app.replay import READ_ONLY, open_recording_window, replay_window, save_window_recording
+from app.gui import replay_window
+from app.replay import READ_ONLY, open_recording_window, save_window_recording
 from engine.trace.recording import load_recording
 from tests.app.test_window import DOC_TEXT, QUESTION, ask, make_window, wait_ready
 from widgets.timeline_view import TimelineView
@@ -88,7 +89,7 @@ def test_a_replay_shows_what_the_live_window_showed(live, qtbot):
 def test_a_replay_needs_no_model_and_no_torch(live, tmp_path):
     _, path, _ = live
     code = (f"import sys; from PySide6.QtWidgets import QApplication; app = QApplication([]); "
-            f"from app.replay import replay_window; from engine.trace.recording import load_recording; "
+            f"from app.gui import replay_window; from engine.trace.recording import load_recording; "
             f"w = replay_window(load_recording({str(path)!r}), {{'settings_path': {str(tmp_path / 's.ini')!r}}}); "
             f"w.show(); app.processEvents(); "
             f"print(w.quest.step_count(), len(w.chat.messages()), 'torch' in sys.modules); w.close()")
