@@ -3,6 +3,7 @@ Compare with a recording… (the window's own conversation against a file), `pyt
 `python main.py render A B --out DIR` (offscreen, app/render.py)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from PySide6.QtGui import QKeySequence
@@ -11,7 +12,7 @@ from PySide6.QtWidgets import QFileDialog, QMainWindow
 from engine.trace.compare import compare
 from engine.trace.recording import SUFFIX, Recording, RecordingError, load_recording
 from widgets.compare_view import CompareView
-from widgets.export import export_with_dialog, show_export_error
+from widgets.export import export_with_dialog, save_png, save_svg, show_export_error
 
 
 class CompareWindow(QMainWindow):
@@ -28,7 +29,36 @@ class CompareWindow(QMainWindow):
         menu = self.menuBar().addMenu("&File")
         menu.addAction("Export &PNG…", lambda: export_with_dialog(self.view, "png", "compare"))
         menu.addAction("Export &SVG…", lambda: export_with_dialog(self.view, "svg", "compare"))
+        menu.addAction("Export &bundle…", self._export_bundle_dialog)
         menu.addAction("&Close", self.close).setShortcut(QKeySequence.StandardKey.Close)
+
+
+    def export_bundle(self, folder: Path) -> Path:
+        """compare.png, compare.svg and comparison.json (the figures, the first difference, the notes, the Quest
+        overlap and mask densities as lists) into `folder`, or a new timestamped subfolder of it when it is not
+        empty; returns it. ExportError (one line) when it cannot be written."""
+        from app.bundle import bundle_folder
+        out = bundle_folder(Path(folder))
+        save_png(self.view, out / "compare.png")
+        save_svg(self.view, out / "compare.svg")
+        c = self.view.comparison
+        data = {"format": "kvscope-comparison", "version": 1, "a": c.label_a, "b": c.label_b, "notes": c.notes,
+                "answer_a": c.answer_a, "answer_b": c.answer_b, "first_difference": c.first_difference,
+                "figures": [{"name": n, "a": a, "b": b, "b_over_a": r} for n, a, b, r in c.figures],
+                "quest_aligned_steps": c.quest_steps,
+                "quest_jaccard": None if c.quest_jaccard is None else c.quest_jaccard.tolist(),
+                "mask_density": None if c.mask_density is None else [m.tolist() for m in c.mask_density]}
+        (out / "comparison.json").write_text(json.dumps(data, indent=1, default=str).replace("NaN", "null"))
+        return out
+
+    def _export_bundle_dialog(self) -> None:
+        from app.bundle import ExportError
+        folder = QFileDialog.getExistingDirectory(self, "Export the comparison into a folder", str(Path.home()))
+        if folder:
+            try:
+                self.export_bundle(Path(folder))
+            except (ExportError, OSError) as e:
+                show_export_error(self, str(e))
 
 
 def window_recording(win) -> Recording:

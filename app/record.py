@@ -37,10 +37,13 @@ def turn_stats(stats, llm) -> dict:
 
 
 class Conversation:
-    """The turns of one conversation on one document, each with the engine steps it took."""
+    """The turns of one conversation on one document, each with the engine steps it took. Only the last
+    `keep_steps` turns keep their steps (a Qwen3-4B Quest step at 128K holds ~0.4 MB of picks: a long chat must not
+    grow without bound); older turns keep their text and stats, and say `steps_dropped`."""
 
-    def __init__(self):
+    def __init__(self, keep_steps: int = 8):
         self.turns: list[dict] = []
+        self.keep_steps = keep_steps
         self._map: dict | None = None
 
     def clear(self) -> None:
@@ -59,11 +62,18 @@ class Conversation:
                            "first_step": min(numbers, default=0), "last_step": max(numbers, default=-1),
                            "token_map": m.get("map"), "token_map_reason": m.get("reason", ""), "steps": list(steps)})
         self._map = None
+        for t in self.turns[:-self.keep_steps]:
+            if t["steps"]:
+                t["steps"], t["steps_dropped"] = [], True
 
     def recording(self, document: str, meta: dict) -> Recording:
         """A Recording of every turn so far (`meta`: the manifest's `app` part and any other fields)."""
         turns, steps, after = [], [], -1
         for t in self.turns:          # a reloaded engine numbers its steps from 0 again: the file's go on
+            if not t["steps"]:        # (none recorded, or dropped): an empty range
+                turns.append({**{k: v for k, v in t.items() if k != "steps"}, "first_step": after + 1,
+                              "last_step": after})
+                continue
             shift = max(0, after + 1 - t["first_step"])
             steps += [replace(s, step=s.step + shift) if shift else s for s in t["steps"]]
             turns.append({**{k: v for k, v in t.items() if k != "steps"}, "first_step": t["first_step"] + shift,

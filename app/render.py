@@ -2,8 +2,9 @@
 no GPU (runs captured on a cluster turned into figures in CI or a paper).
 
 For each recording, DIR/<its name>/ gets what File → Export bundle writes from its replay window (window.png, one
-PNG per view, chat.png, trace.json, chat.md/json, config.json); for two, DIR/compare.png is the comparison of their
-last turns (the Quest view is shown in its tab when the turn has picks, the mask view when it has masks).
+PNG per view, chat.png, trace.json, chat.md/json, config.json; the Quest view in front when the turn has picks, the
+mask view when it has masks); for two, DIR/compare/ gets the comparison of their last turns (compare.png, compare.svg
+and comparison.json: what the compare window's File → Export bundle writes).
 """
 from __future__ import annotations
 
@@ -38,12 +39,11 @@ def render(paths: list[str], out: Path, size: tuple[int, int] = (1600, 1000)) ->
         win.close()
     if len(recordings) == 2:
         from app.compare_window import CompareWindow
-        from widgets.export import save_png
         cmp = CompareWindow(*recordings)
         cmp.resize(*size)
         cmp.show()
         settle(app, 0.5)
-        written.append(save_png(cmp.view, out / "compare.png"))
+        written.append(cmp.export_bundle(out / "compare"))     # compare.png / .svg and comparison.json
         cmp.close()
     (out / ".render.ini").unlink(missing_ok=True)
     return written

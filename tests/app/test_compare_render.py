@@ -1,4 +1,6 @@
 """Two real recordings (the default model, Quest at two budgets) compared in the window and rendered headless."""
+import json
+
 import numpy as np
 import pytest
 from PySide6.QtGui import QImage
@@ -53,8 +55,12 @@ def test_render_writes_each_recordings_views_and_a_comparison_sheet(capsys, pair
             img = QImage(str(out / stem / f"{name}.png"))
             assert not img.isNull() and _pixel_std(img) > 5, (stem, name)
         assert QImage(str(out / stem / "window.png")).size().toTuple() == (1280, 800)
-    sheet = QImage(str(out / "compare.png"))
+    sheet = QImage(str(out / "compare" / "compare.png"))
     assert sheet.width() == 1280 and sheet.height() > 600 and _pixel_std(sheet) > 5
+    data = json.loads((out / "compare" / "comparison.json").read_text())
+    assert data["quest_aligned_steps"] == 3 and len(data["quest_jaccard"]) == 30
+    assert {f["name"] for f in data["figures"]} >= {"time to first token (s)", "decode (tok/s)"}
+    assert (out / "compare" / "compare.svg").read_text().startswith("<?xml")
 
 
 def test_render_refuses_a_file_that_is_not_a_recording_and_a_bad_folder(capsys, pair, tmp_path):

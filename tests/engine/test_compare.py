@@ -61,3 +61,4 @@ def test_from_zero_moves_a_turn_to_start_at_zero():
     steps = from_zero([decode(3, np.array([[[1]]]), t0=5000.0), decode(4, np.array([[[1]]]), t0=5020.0)])
     assert [s.t0_us for s in steps] == [0.0, 20.0] and steps[1].spans[0].t0_us == pytest.approx(21.0)
     assert not math.isnan(steps[0].t1_us)
+
