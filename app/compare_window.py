@@ -1,5 +1,6 @@
 """The comparison of two recorded turns in a window of its own (widgets/compare_view.py draws it), from File →
-Compare with a recording… (the window's own conversation against a file), `python main.py compare A B`, or
+Compare with a recording… (the window's own conversation against a file), File → Ask again and compare (the last
+question again with the panel's settings now, against its first answer), `python main.py compare A B`, or
 `python main.py render A B --out DIR` (offscreen, app/render.py)."""
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from widgets.export import export_with_dialog, save_png, save_svg, show_export_e
 class CompareWindow(QMainWindow):
     """`view` (a CompareView); File → Export PNG / SVG."""
 
-    def __init__(self, a: Recording, b: Recording):
+    def __init__(self, a: Recording, b: Recording, turn_a: int = -1, turn_b: int = -1):
         super().__init__()
         self.view = CompareView()
-        self.view.set_comparison(compare(a, b))
+        self.view.set_comparison(compare(a, b, turn_a, turn_b))
         self.setCentralWidget(self.view)
         self.setWindowTitle(f"A: {Path(a.meta.get('source', 'A')).name} · B: {Path(b.meta.get('source', 'B')).name}"
                             " — compare — kvscope")
@@ -81,6 +82,20 @@ def compare_with_recording(win, path: str | Path) -> CompareWindow | None:
     except (RecordingError, ValueError) as e:
         show_export_error(win, str(e), "Cannot compare")
         return None
+    view.show()
+    win._replays = [w for w in getattr(win, "_replays", []) if w.isVisible()] + [view]   # kept alive
+    return view
+
+
+def compare_turns(win, turn_a: int, turn_b: int) -> CompareWindow | None:
+    """A window comparing two turns of `win`'s conversation (File → Ask again and compare)."""
+    rec = window_recording(win)
+    try:
+        view = CompareWindow(rec, rec, turn_a, turn_b)
+    except ValueError as e:
+        show_export_error(win, str(e), "Cannot compare")
+        return None
+    view.setWindowTitle(f"turn {turn_a + 1} against turn {turn_b + 1} — compare — kvscope")
     view.show()
     win._replays = [w for w in getattr(win, "_replays", []) if w.isVisible()] + [view]   # kept alive
     return view

@@ -180,9 +180,16 @@ class ProcessWorker(WorkerBase):
 
     @Slot(str, dict, str)
     def ask(self, question: str, sampling: dict, system: str) -> None:
+        self._ask("ask", question, sampling, system)
+
+    @Slot(str, dict, str)
+    def ask_again(self, question: str, sampling: dict, system: str) -> None:
+        self._ask("ask_again", question, sampling, system)
+
+    def _ask(self, request: str, *args) -> None:
         self._turn = []
         try:
-            self._request("ask", question, sampling, system)
+            self._request(request, *args)
         finally:
             self.turn_steps, self._turn = self._turn, None
 

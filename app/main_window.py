@@ -40,8 +40,8 @@ from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.views import VIEWS, ViewSpec, build_docks
 from app.collector import GuiThreadCollector
 from app.engine_process import ProcessWorker
+from app.replay import keep_turn, open_dropped_recordings
 from app.worker import EngineThread, EngineWorker
-from engine.trace.recording import SUFFIX
 from widgets.chat_view import ChatView
 from widgets.document_panel import SUPPORTED_SUFFIXES
 from widgets.policy_panel import POLICIES
@@ -89,6 +89,7 @@ class MainWindow(QMainWindow):
     request_load = Signal(dict)
     request_open = Signal(str)
     request_ask = Signal(str, dict, str)
+    request_ask_again = Signal(str, dict, str)
     request_new_chat = Signal()
     request_watch = Signal(bool)
 
@@ -104,6 +105,7 @@ class MainWindow(QMainWindow):
         self.model_info: dict = {}
         self.document_info: dict = {}
         self.conversation = Conversation()    # the finished turns with their steps (File → Save recording)
+        self._compare_with: int | None = None  # the turn an "ask again" answer is compared with when it ends
         self._pending: deque[str] = deque()   # kinds of the requests sent and not finished: "load" "open" "ask"
         self._head_started = False            # the oldest pending request has begun (busy(True) seen)
         self._stop_when_started = False       # Stop pressed before the pending question began
@@ -155,6 +157,7 @@ class MainWindow(QMainWindow):
         self.request_load.connect(self.worker.load_model, queued)
         self.request_open.connect(self.worker.open_document, queued)
         self.request_ask.connect(self.worker.ask, queued)
+        self.request_ask_again.connect(self.worker.ask_again, queued)
         self.request_new_chat.connect(self.worker.new_chat, queued)
         self.request_watch.connect(self.worker.set_watching, queued)
         w = self.worker
@@ -198,6 +201,22 @@ class MainWindow(QMainWindow):
             self._request("load", self.request_load, config)
         self._request("ask", self.request_ask, question, self.chat.sampling(), self.chat.system_prompt())
         self.chat.begin_answer()
+
+    def ask_again(self) -> bool:
+        """The last question again with the panel's settings now (the model reloads or the policy switches
+        first), in place of the last turn in the engine's chat; when it has finished, a window compares the two
+        turns (app/compare_window.py). False when there is no finished turn or a request runs."""
+        if self.is_busy() or not self.conversation.turns or self.options.get("recording") is not None:
+            return False
+        question = self.conversation.turns[-1]["question"]
+        config = self._engine_config()
+        if config != self.worker.engine_config:
+            self._request("load", self.request_load, config)
+        self._compare_with = len(self.conversation.turns) - 1
+        self.chat.add_user_message(question)
+        self._request("ask", self.request_ask_again, question, self.chat.sampling(), self.chat.system_prompt())
+        self.chat.begin_answer()
+        return True
 
     @Slot()
     def stop(self) -> None:
@@ -315,10 +334,7 @@ class MainWindow(QMainWindow):
     def _on_answer_done(self, stats: dict) -> None:
         self.chat.end_answer(stats)
         if self.options.get("recording") is None:
-            messages = self.chat.messages()
-            question = next((m["text"] for m in reversed(messages) if m["role"] == "user"), "")
-            self.conversation.end_turn(question, messages[-1]["text"], stats, self.worker.engine_config,
-                                       list(self.worker.turn_steps))
+            keep_turn(self, stats)                        # for File → Save recording, and "ask again"
         figures, phase = stats.get("policy_stats") or {}, stats.get("policy_phase")
         dense = figures.get("reason") if figures.get("sparse") is False else None
         self.quest.set_dense_reason(dense if phase == "decode" else None)
@@ -382,14 +398,8 @@ class MainWindow(QMainWindow):
         self.document_panel.dragEnterEvent(event)
 
     def dropEvent(self, event) -> None:
-        recordings = [u.toLocalFile() for u in event.mimeData().urls() if u.toLocalFile().endswith(SUFFIX)]
-        if recordings:                        # a recording opens in a window of its own
-            from app.replay import open_recording_window
-            for path in recordings:
-                open_recording_window(self, path)
-            event.acceptProposedAction()
-            return
-        self.document_panel.dropEvent(event)
+        if not open_dropped_recordings(self, event):      # a recording opens in a window of its own
+            self.document_panel.dropEvent(event)
 
     def shutdown(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
         """Stop any answer, end the worker's thread and wait for it (bounded); True when the thread finished."""

@@ -41,6 +41,11 @@ def build_menus(win: QMainWindow) -> None:
     _action(file_menu, "Open &recording…", lambda: open_recording_dialog(win))
     _action(file_menu, "&Save recording…", lambda: save_recording_dialog(win), QKeySequence.StandardKey.Save)
     _action(file_menu, "Co&mpare with a recording…", lambda: compare_dialog(win))
+    win.ask_again_action = _action(file_menu, "Ask &again and compare", lambda: win.ask_again() or win.status.showMessage(
+        "Ask again and compare: wait for a finished answer (it asks the last question again with the panel's "
+        "settings now)", 8000))
+    win.ask_again_action.setStatusTip("The last question again with the policy panel's settings now; then the two "
+                                      "turns side by side")
     file_menu.addSeparator()
     _action(file_menu, "&Quit", win.close, "Ctrl+Q")
     view_menu = win.menuBar().addMenu("&View")

@@ -50,6 +50,10 @@ class ReplayWorker(WorkerBase):
     def ask(self, question: str, sampling: dict, system: str) -> None:
         self.error.emit(READ_ONLY)
 
+    @Slot(str, dict, str)
+    def ask_again(self, question: str, sampling: dict, system: str) -> None:
+        self.error.emit(READ_ONLY)
+
     def close_engine(self) -> None:
         pass
 
@@ -114,6 +118,29 @@ def open_recording_window(parent, path: str | Path):
     win.show()
     parent._replays = [w for w in getattr(parent, "_replays", []) if w.isVisible()] + [win]   # kept alive
     return win
+
+
+def open_dropped_recordings(win, event) -> bool:
+    """The `.kvscope` files of a drop on `win`, each in a window of its own; False when the drop has none."""
+    paths = [u.toLocalFile() for u in event.mimeData().urls() if u.toLocalFile().endswith(SUFFIX)]
+    for path in paths:
+        open_recording_window(win, path)
+    if paths:
+        event.acceptProposedAction()
+    return bool(paths)
+
+
+def keep_turn(win, stats: dict) -> None:
+    """A finished turn of the live window into its conversation (its question, answer, stats, engine config and
+    steps); the second run of File → Ask again and compare then opens the comparison with the first."""
+    messages = win.chat.messages()
+    question = next((m["text"] for m in reversed(messages) if m["role"] == "user"), "")
+    win.conversation.end_turn(question, messages[-1]["text"], stats, win.worker.engine_config,
+                              list(win.worker.turn_steps))
+    if win._compare_with is not None:
+        from app.compare_window import compare_turns
+        compare_turns(win, win._compare_with, len(win.conversation.turns) - 1)
+        win._compare_with = None
 
 
 def open_recording_dialog(win) -> None:

@@ -247,6 +247,14 @@ class EngineWorker(WorkerBase):
                 self.history += [{"role": "user", "content": question}, {"role": "assistant", "content": "".join(answer)}]
             self.answer_done.emit(turn_stats(stats, llm))
 
+    @Slot(str, dict, str)
+    def ask_again(self, question: str, sampling: dict, system: str) -> None:
+        """The last question again, in place of the last exchange of the history (the second run of a
+        comparison: both answers see the same chat before them)."""
+        if len(self.history) >= 2 and self.history[-2] == {"role": "user", "content": question}:
+            self.history = self.history[:-2]
+        self.ask(question, sampling, system)
+
     def _token_map(self, llm, messages: list[dict], text: str, first_step: int) -> dict | None:
         """For the highlight of what Quest reads: each prompt token's document characters (app/quest_highlight.py),
         with the turn's first step number. None when the policy does not select pages (nothing to highlight);

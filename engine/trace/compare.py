@@ -135,6 +135,10 @@ def compare(a: Recording, b: Recording, turn_a: int = -1, turn_b: int = -1) -> C
                      "figures with care")
     if ta.get("question") != tb.get("question"):
         notes.append("the two turns ask different questions")
+    ca, cb = ((t.get("stats") or {}).get("cached_tokens") for t in (ta, tb))
+    if ca is not None and cb is not None and ca != cb:
+        notes.append(f"A found {ca:,} prompt tokens in the prefix cache and B {cb:,}: their times to first token "
+                     "differ for that too")
     fa, fb = _figures(ta, sa), _figures(tb, sb)
     figures = [(k, fa[k], fb.get(k, math.nan), fb.get(k, math.nan) / fa[k] if fa[k] else math.nan) for k in fa]
     jaccard, n = quest_overlap(sa, sb)

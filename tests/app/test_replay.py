@@ -136,3 +136,24 @@ def test_saving_with_no_finished_turn_says_so(qtbot, tmp_path):
     assert "ask a question first" in box.text()
     assert not (tmp_path / "empty.kvscope").exists()
     win.close()
+
+
+def test_ask_again_runs_the_last_question_with_the_panels_settings_and_compares(live):
+    win, _, qtbot = live
+    from app.compare_window import CompareWindow
+    first = win.chat.messages()[-1]
+    win.policy_panel.set_config({"policy": "full"})
+    assert win.ask_again()
+    qtbot.waitUntil(lambda: not win.is_busy() and len(win.conversation.turns) == 2, timeout=180_000)
+    a, b = win.conversation.turns
+    assert a["question"] == b["question"] == QUESTION and a["answer"] == first["text"]
+    assert a["engine"]["policy"] == "quest" and b["engine"]["policy"] == "full"
+    assert [m["role"] for m in win.chat.messages()[-2:]] == ["user", "assistant"]
+    assert win.worker.history == [{"role": "user", "content": QUESTION},       # B in place of A, not after it
+                                  {"role": "assistant", "content": b["answer"]}]
+    shown = win._replays[-1]
+    assert isinstance(shown, CompareWindow) and shown.isVisible()
+    cmp = shown.view.comparison
+    assert (cmp.answer_a, cmp.answer_b) == (a["answer"], b["answer"]) and cmp.quest_jaccard is None
+    assert "Quest picks: neither turn" in shown.view.quest.caption.text()
+    shown.close()
