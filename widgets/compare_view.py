@@ -1,10 +1,12 @@
 """Two recorded turns side by side (engine/trace/compare.py computes what is shown): the two answers with their
 first difference marked, the figures and their ratios, the two timelines on one time scale, Quest's pick overlap
-per layer and kv head, and the prefill masks' densities of A and B.
+per layer and kv head, the prefill masks' densities of A and B per layer and head, and one layer and head's masks
+of A and B over token bins with their difference.
 
 API: `set_comparison(cmp)`; read back `figures_table`, `answer_a` / `answer_b` (QTextBrowser), `difference_label`,
 `timeline_a` / `timeline_b`, `quest_image()` (the Jaccard array shown), `mask_image()` (B's density minus A's),
-`notes_label`. Exports as a whole with widgets/export.py (PNG, SVG).
+`mask_pair` (its `layer` / `head` spin boxes, `density(0 | 1)`, and `diff.values`), `notes_label`. Exports as a
+whole with widgets/export.py (PNG, SVG).
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QPalette
-from PySide6.QtWidgets import (QGridLayout, QGroupBox, QHBoxLayout, QLabel, QTableWidget, QTableWidgetItem,
-                               QTextBrowser, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QGridLayout, QGroupBox, QHBoxLayout, QLabel, QSpinBox, QTableWidget,
+                               QTableWidgetItem, QTabWidget, QTextBrowser, QVBoxLayout, QWidget)
 
 from engine.trace.compare import Comparison, from_zero
+from widgets.mask_pattern import PrefillMasks, bin_edges
 from widgets.timeline_view import TimelineView
 
 DIFF_COLOR = "#f6c343"      # the answers from their first difference on
+DIFF_BINS = 96              # a compared mask's picture: token bins per side at most
 
 
 def marked(text: str, at: int | None) -> str:
@@ -43,14 +47,14 @@ def _fmt(v: float) -> str:
 class _Grid(QWidget):
     """A small heatmap of a [rows, cols] float array (NaN blank) with a caption, values in [lo, hi]."""
 
-    def __init__(self, title: str, x_label: str, colors: list[str], lo: float, hi: float):
+    def __init__(self, title: str, x_label: str, colors: list[str], lo: float, hi: float, y_label: str = "layer"):
         super().__init__()
         self.lo, self.hi, self.values = lo, hi, np.zeros((0, 0))
         self.caption = QLabel(title, wordWrap=True)
         self.plot = pg.PlotWidget(background=self.palette().color(QPalette.ColorRole.Base))
         self.plot.hideButtons()
         self.plot.getPlotItem().getViewBox().invertY(True)
-        self.plot.getPlotItem().setLabel("left", "layer")
+        self.plot.getPlotItem().setLabel("left", y_label)
         self.plot.getPlotItem().setLabel("bottom", x_label)
         self.img = pg.ImageItem(axisOrder="row-major")
         self.lut = pg.ColorMap(np.linspace(0, 1, len(colors)), colors).getLookupTable(nPts=256, alpha=True)
@@ -77,6 +81,60 @@ class _Grid(QWidget):
         self.plot.getPlotItem().getViewBox().autoRange(padding=0)
 
 
+class _MaskPair(QWidget):
+    """One layer and head's prefill mask of A and of B (each cell's share of its causal pairs computed, over token
+    bins) and B's minus A's where both prompts have the same length; head -1: the mean of the heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks: tuple[PrefillMasks | None, PrefillMasks | None] = (None, None)
+        self.layer, self.head = QSpinBox(), QSpinBox(minimum=-1, specialValueText="mean")
+        blue, diverging = ["#f8fafc", "#1d4ed8"], ["#b91c1c", "#f8fafc", "#15803d"]
+        self.a, self.b = (_Grid(f"{side}'s mask", "keys (bins)", blue, 0.0, 1.0, "queries (bins)") for side in "AB")
+        self.diff = _Grid("B − A", "keys (bins)", diverging, -1.0, 1.0, "queries (bins)")
+        controls = QHBoxLayout()
+        for label, box in (("layer", self.layer), ("head", self.head)):
+            controls.addWidget(QLabel(label))
+            controls.addWidget(box)
+            box.valueChanged.connect(lambda *_: self._redraw())
+        controls.addStretch(1)
+        grids = QHBoxLayout()
+        for g in (self.a, self.b, self.diff):
+            grids.addWidget(g)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(controls)
+        layout.addLayout(grids, 1)
+
+    def set_masks(self, a: PrefillMasks | None, b: PrefillMasks | None) -> None:
+        self.masks = (a, b)
+        shown = [m for m in (a, b) if m is not None]
+        self.setVisible(bool(shown))
+        if shown:
+            self.layer.setRange(min(m.layers[0] for m in shown), max(m.layers[-1] for m in shown))
+            self.head.setRange(-1, max(m.n_heads for m in shown) - 1)
+            self._redraw()
+
+    def density(self, side: int) -> np.ndarray | None:
+        """A's (0) or B's (1) picture of the chosen layer and head: [rows, cols], NaN above the diagonal."""
+        m = self.masks[side]
+        if m is None or not m.heads(self.layer.value(), self.head.value()):
+            return None
+        kept, causal = m.cells(self.layer.value(), self.head.value(), bin_edges(m.n, DIFF_BINS))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(causal > 0, kept / causal, np.nan)
+
+    def _redraw(self) -> None:
+        where = f"layer {self.layer.value()}, " + ("mean of the heads" if self.head.value() < 0 else
+                                                   f"head {self.head.value()}")
+        a, b = self.density(0), self.density(1)
+        self.a.set_values(a, f"A: {where}" if a is not None else "A: no mask at this layer and head")
+        self.b.set_values(b, f"B: {where}" if b is not None else "B: no mask at this layer and head")
+        same = a is not None and b is not None and a.shape == b.shape and self.masks[0].n == self.masks[1].n
+        self.diff.set_values(b - a if same else None, "B − A (red: B computed less, green: more)" if same else
+                             "B − A: needs both masks over prompts of the same length")
+
+
 class CompareView(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -97,6 +155,7 @@ class CompareView(QWidget):
             t.follow_button.hide()                                      # (recorded turns: nothing to follow)
         self.quest = _Grid("Quest picks", "kv head", ["#f8fafc", "#1d4ed8"], 0.0, 1.0)
         self.masks = _Grid("Prefill masks", "head", ["#b91c1c", "#f8fafc", "#15803d"], -0.5, 0.5)
+        self.mask_pair = _MaskPair()
 
         answers = QGridLayout()
         answers.addWidget(self.title_a, 0, 0)
@@ -106,9 +165,13 @@ class CompareView(QWidget):
         top = QHBoxLayout()
         top.addLayout(answers, 3)
         top.addWidget(self.figures_table, 2)
-        grids = QHBoxLayout()
-        grids.addWidget(self.quest)
-        grids.addWidget(self.masks)
+        self.tabs = QTabWidget()                # Quest's overlap, or the masks: the one the turns have in front
+        masks = QWidget()
+        row = QHBoxLayout(masks)
+        row.addWidget(self.masks, 1)
+        row.addWidget(self.mask_pair, 2)
+        self.tabs.addTab(self.quest, "Quest picks")
+        self.tabs.addTab(masks, "Prefill masks")
         timelines = QGroupBox("Timelines (each turn from its start, one time scale): A above, B below")
         tl = QVBoxLayout(timelines)
         tl.addWidget(self.timeline_a)
@@ -118,7 +181,7 @@ class CompareView(QWidget):
         layout.addLayout(top, 3)
         layout.addWidget(self.difference_label)
         layout.addWidget(timelines, 4)
-        layout.addLayout(grids, 3)
+        layout.addWidget(self.tabs, 4)
 
     def set_comparison(self, cmp: Comparison) -> None:
         self.comparison = cmp
@@ -157,6 +220,9 @@ class CompareView(QWidget):
             self.quest.set_values(cmp.quest_jaccard, f"Quest picks: overlap of A's and B's pages (Jaccard, white 0 "
                                   f"→ blue 1) per layer and kv head over {cmp.quest_steps} aligned steps; mean "
                                   f"{_fmt(mean)}")
+        self.mask_pair.set_masks(*(next((m for m in map(PrefillMasks.from_step, steps) if m is not None), None)
+                                   for steps in (cmp.steps_a, cmp.steps_b)))
+        self.tabs.setCurrentIndex(0 if cmp.quest_jaccard is not None or cmp.mask_density is None else 1)
         if cmp.mask_density is None:
             self.masks.set_values(None, "Prefill masks: neither turn ran a sparse prefill")
         else:

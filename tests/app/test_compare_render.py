@@ -72,3 +72,25 @@ def test_render_refuses_a_file_that_is_not_a_recording_and_a_bad_folder(capsys, 
     assert main(["render", str(pair[0]), "--out", str(tmp_path / "f" / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --out") and "is a file, not a folder" in err and not (tmp_path / "o").exists()
+
+
+def test_two_prefill_masks_are_shown_side_by_side_with_their_difference(qtbot, default_model_dir):
+    """MInference with few and with more vertical and slash lines on the same prompt: B computes more."""
+    prompt = list(range(3000, 3300))
+    base = {"min_len": 64, "block": 16, "sink": 4, "recent": 16, "cpu_dense_above": 1.0}
+    a, b = (record(default_model_dir, "minference", {**base, "vertical": v, "slash": sl}, prompt, tokens=2)
+            for v, sl in ((8, 16), (32, 64)))
+    win = CompareWindow(a, b)
+    qtbot.addWidget(win)
+    pair = win.view.mask_pair
+    pair.layer.setValue(1)
+    pair.head.setValue(2)
+    da, db = pair.density(0), pair.density(1)
+    assert da.shape == db.shape and np.nanmean(db) > np.nanmean(da)             # more lines: more pairs kept
+    np.testing.assert_allclose(pair.diff.values, db - da)
+    assert np.isnan(da[0, -1]) and np.nanmax(db) <= 1.0                          # nothing above the diagonal
+    assert "layer 1, head 2" in pair.a.caption.text()
+    density_a, density_b = win.view.comparison.mask_density
+    assert density_b[1, 2] > density_a[1, 2]
+    pair.head.setValue(-1)
+    assert "mean of the heads" in pair.b.caption.text()
