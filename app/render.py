@@ -1,10 +1,10 @@
 """`python main.py render A.kvscope [B.kvscope] --out DIR`: a recording's views as PNGs, offscreen, with no model and
 no GPU (runs captured on a cluster turned into figures in CI or a paper).
 
-For each recording, DIR/<its name>/ gets what File → Export bundle writes from its replay window (window.png, one
-PNG per view, chat.png, trace.json, chat.md/json, config.json; the Quest view in front when the turn has picks, the
-mask view when it has masks); for two, DIR/compare/ gets the comparison of their last turns (compare.png, compare.svg
-and comparison.json: what the compare window's File → Export bundle writes).
+For each recording, DIR/<its name>/ gets what File → Export bundle writes from its replay window: window.png, one
+PNG per view, chat.png, trace.json, chat.md/json and config.json (the Quest view in front when the turn has picks,
+the mask view when it has masks, as in any replay window). For two, DIR/compare/ gets the comparison of their last
+turns: compare.png, compare.svg and comparison.json, what the compare window's File → Export bundle writes.
 """
 from __future__ import annotations
 
@@ -28,11 +28,6 @@ def render(paths: list[str], out: Path, size: tuple[int, int] = (1600, 1000)) ->
         win = replay_window(rec, {"settings_path": str(out / ".render.ini"), "restore": False})
         win.resize(*size)
         win.show()
-        steps = rec.steps
-        if any(s.masks for s in steps) and not any(s.quest for s in steps):
-            win.docks["masks"].raise_()
-        elif any(s.quest for s in steps):
-            win.docks["quest"].raise_()
         settle(app, 0.5)
         folder = out / Path(path).stem
         written.append(win.export_bundle(folder))

@@ -98,6 +98,10 @@ def show_recording(win, rec: Recording) -> None:
         win.quest_highlight.new_turn({"map": last["token_map"], "reason": last.get("token_map_reason", ""),
                                       "text": rec.document, "first_step": last["first_step"]})
         win.quest_highlight.feed(win.worker.turn_steps)
+    if any(s.quest for s in rec.steps):                 # the view with something to show, in front of its tab group
+        win.docks["quest"].raise_()
+    elif any(s.masks for s in rec.steps):
+        win.docks["masks"].raise_()
     for w in (win.chat.input, win.chat.send_button, win.document_panel.open_button):
         w.setEnabled(False)
     win.chat.input.setPlaceholderText(READ_ONLY)

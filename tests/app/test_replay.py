@@ -83,6 +83,7 @@ def test_a_replay_shows_what_the_live_window_showed(live, qtbot):
     assert "recording: turn.kvscope · made on" in replay.status.recording_label.text()
     assert not replay.chat.input.isEnabled() and replay.chat.input.placeholderText() == READ_ONLY
     assert not replay.policy_panel.isEnabled() and replay.worker.llm is None
+    assert not replay.docks["quest"].visibleRegion().isEmpty()          # the Quest tab is the one in front
     replay.close()
 
 
