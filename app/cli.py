@@ -267,7 +267,7 @@ def _chat(args) -> int:
     if args.trace is not None:                        # every step's timeline
         recorder = TraceRecorder(max_steps=args.max_new_tokens + 64, device=device)
     elif args.record is not None:                     # as the app records: a decode timeline ten times a second
-        recorder = TraceRecorder.live(device, max_steps=args.max_new_tokens + 64)
+        recorder = TraceRecorder.live(device, max_steps=args.max_new_tokens + 64, mode=args.mode)
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   mode=args.mode, ring_slots=args.ring_slots, gpu_kv_budget_gb=args.gpu_kv_budget,
                   host_kv_gb=args.host_kv_gb, prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size,

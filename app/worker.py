@@ -154,7 +154,7 @@ class EngineWorker(WorkerBase):
         except BaseException:
             llm.close()
             raise
-        self._live = TraceRecorder.live(llm.device, on_step=self.telemetry.append)
+        self._live = TraceRecorder.live(llm.device, on_step=self.telemetry.append, mode=llm.config.mode)
         llm.recorder = self._live if self.watching else None
         self.llm, self.engine_config = llm, dict(config)
         self.history, self._map_cache = [], (None, None, "")

@@ -142,7 +142,7 @@ class OursTraced:
 
     def __init__(self, ours: Ours):
         from engine.trace import TraceRecorder
-        self.ours, self.recorder = ours, TraceRecorder.live(ours.llm.device, max_steps=256)
+        self.ours, self.recorder = ours, TraceRecorder.live(ours.llm.device, max_steps=256, mode=ours.llm.config.mode)
         self.name = f"{ours.name}+trace"
 
     def _traced(self, fn, *args):

@@ -45,7 +45,7 @@ from engine.trace import NULL_RECORDER, TraceRecorder
 cfg = json.loads(sys.argv[1])
 llm = LLM(**cfg["engine"])
 llm.warm_up()                     # as the CLI and the app do at load (CUDA: kernels compiled, graphs captured)
-traced = TraceRecorder.live(llm.device)   # as the app's worker records (app/worker.py), with no window to draw it
+traced = TraceRecorder.live(llm.device, mode=llm.config.mode)   # as the app's worker records (app/worker.py), with no window to draw it
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
 params = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)

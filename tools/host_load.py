@@ -79,7 +79,7 @@ def main() -> int:
     extra = {"ring_slots": 3} if args.mode != "gpu" else {}
     llm = LLM(shape=shape_config(args.shape), mode=args.mode, kv_block_size=256, kv_store=None, **extra)
     llm.warm_up()
-    llm.recorder = TraceRecorder.live(llm.device)
+    llm.recorder = TraceRecorder.live(llm.device, mode=llm.config.mode)
     ids = torch.randint(100, 40000, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     llm.generate([ids], params)                       # into the prefix cache

@@ -58,7 +58,7 @@ def main() -> None:
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
     if a.trace or a.layers:
         from engine.trace import TraceRecorder
-        llm.recorder = TraceRecorder(device=llm.device) if a.layers else TraceRecorder.live(llm.device)
+        llm.recorder = TraceRecorder(device=llm.device) if a.layers else TraceRecorder.live(llm.device, mode=llm.config.mode)
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=a.warm + 2 * a.steps + 4, ignore_eos=True))
     llm.step()                                     # prefill

@@ -5,7 +5,8 @@
 
 Variants (the order rotates every round, each turn a fresh random prompt):
   plain   no recorder
-  live    the app's recorder (TraceRecorder.live: a per-layer timeline LIVE_DETAIL_HZ times a second)
+  live    the app's recorder (TraceRecorder.live: a per-layer timeline LIVE_DETAIL_HZ times a second, on CUDA in the
+          offload modes OFFLOAD_DETAIL_HZ)
   lean    the same recorder with no per-layer timeline in decode (metrics, picks, host spans only)
   full    a timeline in every step
 Per variant, medians over turns: the turn's decode ms/token as `generate` reports it (first to last token), the
@@ -31,18 +32,24 @@ from engine.trace import TraceRecorder
 VARIANTS = ("plain", "live", "lean", "full")
 
 
-def recorder(variant: str, device):
+def recorder(variant: str, device, mode: str):
     if variant == "plain":
         return None
     hz = {"live": None, "lean": 1e-9, "full": 1e9}[variant]
-    return TraceRecorder.live(device) if hz is None else TraceRecorder(max_steps=512, device=device, detail_hz=hz)
+    return TraceRecorder.live(device, mode=mode) if hz is None else TraceRecorder(max_steps=512, device=device,
+                                                                                  detail_hz=hz)
+
+
+SAME_PROMPT: list[int] = []     # --same-prompt: one prompt for every turn (its KV in the prefix cache after the first)
 
 
 def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, prof=None) -> dict:
-    rec = recorder(variant, llm.device)
+    rec = recorder(variant, llm.device, llm.config.mode)
     llm.recorder = rec
     try:
         prompt = torch.randint(0, llm.args.vocab_size, (ctx,), generator=gen).tolist()
+        if SAME_PROMPT:                            # (the generator still moves: the variants' turns stay alike)
+            prompt = SAME_PROMPT[:ctx - 16] + prompt[-16:]   # a cached document, a new question
         seq = llm.add_request(prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
         t0 = time.perf_counter()
         llm.step()                                     # prefill (its trace is read in the first decode step)
@@ -87,6 +94,8 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--profile", default=None, choices=VARIANTS, help="cProfile this variant's last turn")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--same-prompt", action="store_true", help="every turn the same prompt but its last 16 tokens (as "
+                   "the app's turns about one document: its KV in the prefix cache, the question prefilled)")
     a = p.parse_args()
     (name, params), = parse_policy_spec(a.policy)
     kw = {"kv_block_size": a.block_size} if a.block_size else {}
@@ -94,6 +103,8 @@ def main() -> None:
               mode=a.mode, policy=name, policy_params=params, max_num_seqs=1, **kw)
     variants = a.variants.split(",")
     gen = torch.Generator().manual_seed(0)
+    if a.same_prompt:
+        SAME_PROMPT[:] = torch.randint(0, llm.args.vocab_size, (a.ctx,), generator=gen).tolist()
     turn(llm, "plain", a.ctx, 8, gen)                  # warm-up: kernels, graphs
     turn(llm, "live", a.ctx, 8, gen)
     res: dict[str, list[dict]] = {v: [] for v in variants}
@@ -122,6 +133,10 @@ def main() -> None:
               f"{med['first']:.2f}  steady "
               f"{med['steady']:.3f}{extra}")
         print("         per turn: " + ", ".join(f"{t['turn']:.3f}" for t in res[v]))
+        if base and v != "plain":   # each round's turn against the same round's plain one (the host drifts slowly)
+            paired = [t["turn"] / u["turn"] for t, u in zip(res[v], res["plain"])]
+            print(f"         paired with plain, round by round: median {statistics.median(paired):.3f}x "
+                  f"({min(paired):.2f}-{max(paired):.2f})")
     if prof is not None:
         import pstats
         print(f"cProfile of the last {a.profile} turn, by own time:")

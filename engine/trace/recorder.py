@@ -22,7 +22,7 @@ parts, the timed parts' records are read at the next part's start once their eve
 Detail. Every step is recorded with its metrics, Quest picks, masks and host spans. The per-layer timeline
 (compute, copy and wait spans, ring slot states) is what costs: at a few hundred decode steps a second on a GPU
 its CUDA events alone would slow the engine down by half. With `detail_hz` set (the app: the rate its views
-redraw, LIVE_DETAIL_HZ) a decode step gets that timeline only when 1/detail_hz seconds have passed since the last
+redraw, `live_detail_hz`) a decode step gets that timeline only when 1/detail_hz seconds have passed since the last
 detailed one; the others carry their metrics, picks and host-clock times (`StepTrace.detailed` says which).
 Prefill and every step slower than 1/detail_hz are always detailed, but with detail_hz set a step of parts (a
 chunked prefill's chunks: `begin_part`) times three parts only, its first, a middle one and its last but one (whose
@@ -49,8 +49,8 @@ import numpy as np
 
 from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
 from engine.trace.event_clock import EventClock
-from engine.trace.events import (HOST, LANES, LIVE_DETAIL_HZ, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
-                                 StepTrace)
+from engine.trace.events import (HOST, LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
+                                 StepTrace, live_detail_hz)
 from engine.trace.grab import grab as _grab, masks_of as _masks_of, to_numpy as _to_numpy
 
 PART_TIMELINES = 3   # the parts of a step with a timeline at a detail rate: its first, a middle one, its last but one
@@ -133,11 +133,13 @@ class TraceRecorder(Recorder):
         self._reset_buffers()
 
     @classmethod
-    def live(cls, device=None, on_step: Callable[[StepTrace], None] | None = None,
-             max_steps: int = 512) -> "TraceRecorder":
+    def live(cls, device=None, on_step: Callable[[StepTrace], None] | None = None, max_steps: int = 512,
+             mode: str = "gpu") -> "TraceRecorder":
         """A recorder as the app's views use it: a decode step's per-layer timeline at their redraw rate
-        (LIVE_DETAIL_HZ), every step's figures. The tools that measure what watching costs take this one too."""
-        return cls(max_steps=max_steps, device=device, on_step=on_step, detail_hz=LIVE_DETAIL_HZ)
+        (`live_detail_hz`: LIVE_DETAIL_HZ, or OFFLOAD_DETAIL_HZ for an engine in an offload `mode` on CUDA), every
+        step's figures. The tools that measure what watching costs take this one too."""
+        return cls(max_steps=max_steps, device=device, on_step=on_step,
+                   detail_hz=live_detail_hz(str(device if device is not None else "cpu"), mode))
 
     def _reset_buffers(self):
         self._spans: list[Span] = []
