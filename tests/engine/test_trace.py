@@ -399,10 +399,3 @@ def test_spans_sharing_an_end_stay_nested_after_rounding():
     ends = {e["name"]: e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == COMPUTE}
     assert abs(ends["mlp"] - ends["layer 14"]) < 1e-6
 
-
-def test_the_live_timeline_rate_follows_what_the_window_draws():
-    """The views redraw ~1.5 times a second in the offload modes on a GPU: three timelines a second there."""
-    from engine.trace import LIVE_DETAIL_HZ, OFFLOAD_DETAIL_HZ, live_detail_hz
-    assert live_detail_hz("cuda:0", "layerwise") == live_detail_hz("cuda", "chunked") == OFFLOAD_DETAIL_HZ == 3.0
-    assert live_detail_hz("cuda:0", "gpu") == live_detail_hz("cpu", "layerwise") == LIVE_DETAIL_HZ == 10.0
-    assert TraceRecorder.live("cpu", mode="layerwise")._detail_every_us == pytest.approx(1e6 / LIVE_DETAIL_HZ)

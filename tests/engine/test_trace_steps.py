@@ -3,6 +3,7 @@ import pickle
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from engine.trace import TraceRecorder
@@ -48,3 +49,11 @@ def test_bulk_quest_picks_expand_per_layer_and_head_and_pickle_as_arrays():
            [(q.layer, q.kv_head, q.blocks.tolist(), q.scores.tolist()) for q in step.quest]
     # three arrays (int32 pages and positions, float32 scores) and little else, not 12 objects of 3 arrays each
     assert len(blob) < 3 * L * H * k * 4 + 1500
+
+
+def test_the_live_timeline_rate_follows_what_the_window_draws():
+    """The views redraw ~1.5 times a second in the offload modes on a GPU: three timelines a second there."""
+    from engine.trace import LIVE_DETAIL_HZ, OFFLOAD_DETAIL_HZ, live_detail_hz
+    assert live_detail_hz("cuda:0", "layerwise") == live_detail_hz("cuda", "chunked") == OFFLOAD_DETAIL_HZ == 3.0
+    assert live_detail_hz("cuda:0", "gpu") == live_detail_hz("cpu", "layerwise") == LIVE_DETAIL_HZ == 10.0
+    assert TraceRecorder.live("cpu", mode="layerwise")._detail_every_us == pytest.approx(1e6 / LIVE_DETAIL_HZ)
