@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "without a model or a GPU")
     r.add_argument("recordings", nargs="+", metavar="FILE.kvscope", help="one recording, or two to compare")
     r.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the PNGs go (a folder per "
-                   "recording; compare.png for two)")
+                   "recording; for two, compare/ with the comparison sheet)")
     r.add_argument("--size", default="1600x1000", help="window size WxH")
     m = sub.add_parser("compare", help="open two recordings side by side")
     m.add_argument("a", metavar="A.kvscope")
@@ -266,7 +266,7 @@ def _chat(args) -> int:
     device = EngineConfig(device=args.device).resolve_device()
     if args.trace is not None:                        # every step's timeline
         recorder = TraceRecorder(max_steps=args.max_new_tokens + 64, device=device)
-    elif args.record is not None:                     # as the app records: a decode timeline ten times a second
+    elif args.record is not None:                     # as the app records (a decode timeline 3-10 times a second)
         recorder = TraceRecorder.live(device, max_steps=args.max_new_tokens + 64, mode=args.mode)
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   mode=args.mode, ring_slots=args.ring_slots, gpu_kv_budget_gb=args.gpu_kv_budget,
@@ -345,7 +345,6 @@ def _save_record(args, llm, conversation, question: str, answer: str, stats, eng
           f"{time.perf_counter() - t0:.2f} s (open it with `python main.py {path}`)", file=sys.stderr)
 
 
-
 def _recordings_command(args) -> int:
     """`render` and `compare`: one line and exit 2 for a file that is not a recording or a bad output folder."""
     from engine.paths import output_folder_problem
@@ -363,11 +362,10 @@ def _recordings_command(args) -> int:
             raise ConfigError("render takes one recording, or two to compare")
         if (problem := output_folder_problem(args.out)) is not None:
             raise ConfigError(f"--out {args.out}: {problem}")
-        try:
-            size = tuple(int(v) for v in args.size.lower().split("x"))
-            assert len(size) == 2 and min(size) > 0
-        except (ValueError, AssertionError):
-            raise ConfigError(f"--size {args.size}: give the window size as WIDTHxHEIGHT, e.g. 1600x1000") from None
+        parts = args.size.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(f"--size {args.size}: give the window size as WIDTHxHEIGHT, e.g. 1600x1000")
+        size = (int(parts[0]), int(parts[1]))
         from app.render import render
         written = render(args.recordings, args.out, size)
     except (RecordingError, ConfigError, ValueError) as e:
