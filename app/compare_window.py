@@ -16,6 +16,13 @@ from widgets.compare_view import CompareView
 from widgets.export import export_with_dialog, save_png, save_svg, show_export_error
 
 
+def keep_open(parent, window) -> None:
+    """Keep `window` (a recording's or a comparison's, opened from `parent`) alive while it is shown: in
+    `parent.side_windows`, which drops those closed."""
+    parent.side_windows = [w for w in getattr(parent, "side_windows", []) if w.isVisible()] + [window]
+
+
+
 class CompareWindow(QMainWindow):
     """`view` (a CompareView); File → Export PNG / SVG."""
 
@@ -83,7 +90,7 @@ def compare_with_recording(win, path: str | Path) -> CompareWindow | None:
         show_export_error(win, str(e), "Cannot compare")
         return None
     view.show()
-    win._replays = [w for w in getattr(win, "_replays", []) if w.isVisible()] + [view]   # kept alive
+    keep_open(win, view)
     return view
 
 
@@ -97,7 +104,7 @@ def compare_turns(win, turn_a: int, turn_b: int) -> CompareWindow | None:
         return None
     view.setWindowTitle(f"turn {turn_a + 1} against turn {turn_b + 1} — compare — kvscope")
     view.show()
-    win._replays = [w for w in getattr(win, "_replays", []) if w.isVisible()] + [view]   # kept alive
+    keep_open(win, view)
     return view
 
 

@@ -105,7 +105,7 @@ class MainWindow(QMainWindow):
         self.model_info: dict = {}
         self.document_info: dict = {}
         self.conversation = Conversation()    # the finished turns with their steps (File → Save recording)
-        self._compare_with: int | None = None  # the turn an "ask again" answer is compared with when it ends
+        self.compare_with: int | None = None   # the turn an "ask again" answer is compared with when it ends
         self._pending: deque[str] = deque()   # kinds of the requests sent and not finished: "load" "open" "ask"
         self._head_started = False            # the oldest pending request has begun (busy(True) seen)
         self._stop_when_started = False       # Stop pressed before the pending question began
@@ -212,7 +212,7 @@ class MainWindow(QMainWindow):
         config = self._engine_config()
         if config != self.worker.engine_config:
             self._request("load", self.request_load, config)
-        self._compare_with = len(self.conversation.turns) - 1
+        self.compare_with = len(self.conversation.turns) - 1
         self.chat.add_user_message(question)
         self._request("ask", self.request_ask_again, question, self.chat.sampling(), self.chat.system_prompt())
         self.chat.begin_answer()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Slot
 
+from app.compare_window import compare_turns, keep_open
 from app.worker import WorkerBase
 from engine.paths import output_file_problem
 from engine.trace.recording import SUFFIX, Recording, RecordingError, load_recording, save_recording
@@ -120,7 +121,7 @@ def open_recording_window(parent, path: str | Path):
     win = type(parent)({"settings_path": parent.options.get("settings_path"), "recording": rec, "autostart": False})
     show_recording(win, rec)
     win.show()
-    parent._replays = [w for w in getattr(parent, "_replays", []) if w.isVisible()] + [win]   # kept alive
+    keep_open(parent, win)
     return win
 
 
@@ -141,10 +142,9 @@ def keep_turn(win, stats: dict) -> None:
     question = next((m["text"] for m in reversed(messages) if m["role"] == "user"), "")
     win.conversation.end_turn(question, messages[-1]["text"], stats, win.worker.engine_config,
                               list(win.worker.turn_steps))
-    if win._compare_with is not None:
-        from app.compare_window import compare_turns
-        compare_turns(win, win._compare_with, len(win.conversation.turns) - 1)
-        win._compare_with = None
+    if win.compare_with is not None:
+        compare_turns(win, win.compare_with, len(win.conversation.turns) - 1)
+        win.compare_with = None
 
 
 def open_recording_dialog(win) -> None:

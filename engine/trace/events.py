@@ -120,8 +120,14 @@ class QuestPicks(Sequence):
     def __iter__(self):
         return iter(self._expand())
 
+    @property
+    def parts(self) -> tuple[list[QuestPick], list[tuple]]:
+        """What it was made from: the single picks and the bulk records (step, layers, pages, scores, n_pages,
+        positions, page_size), as pickling and recordings (engine/trace/recording.py) keep them."""
+        return self._single, self._bulk
+
     def __reduce__(self):
-        return QuestPicks, (self._single, self._bulk)
+        return QuestPicks, self.parts
 
     def __repr__(self) -> str:
         return f"QuestPicks({len(self)} picks)"

@@ -98,12 +98,13 @@ def _step_json(s: StepTrace, arrays: _Arrays) -> dict:
     p = f"s{s.step}_"
     quest = []
     picks = s.quest if isinstance(s.quest, QuestPicks) else QuestPicks(list(s.quest))
-    for i, (step, layers, pages, scores, n_pages, positions, page_size) in enumerate(picks._bulk):
+    single, bulk = picks.parts
+    for i, (step, layers, pages, scores, n_pages, positions, page_size) in enumerate(bulk):
         quest.append({"step": int(step), "layers": [int(x) for x in layers], "n_pages": [int(x) for x in n_pages],
                       "page_size": int(page_size), "pages": arrays.put(f"{p}q{i}_pages", pages),
                       "scores": arrays.put(f"{p}q{i}_scores", scores),
                       "positions": arrays.put(f"{p}q{i}_positions", positions)})
-    for i, q in enumerate(picks._single):
+    for i, q in enumerate(single):
         quest.append({"single": True, "step": int(q.step), "layer": int(q.layer), "kv_head": int(q.kv_head),
                       "n_pages": int(q.n_blocks), "page_size": int(q.page_size),
                       "pages": arrays.put(f"{p}p{i}_pages", q.blocks), "scores": arrays.put(f"{p}p{i}_scores", q.scores),

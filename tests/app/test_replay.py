@@ -122,7 +122,7 @@ def test_dropping_a_recording_opens_it_in_a_window_of_its_own(live, qtbot):
     event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, data, Qt.MouseButton.LeftButton,
                        Qt.KeyboardModifier.NoModifier)
     win.dropEvent(event)
-    replay = win._replays[-1]
+    replay = win.side_windows[-1]
     assert replay.isVisible() and replay is not win and replay.chat.messages()[-1]["role"] == "assistant"
     assert win.document_panel.document_name() == "planning.md"              # the live window kept its document
     replay.close()
@@ -152,7 +152,7 @@ def test_ask_again_runs_the_last_question_with_the_panels_settings_and_compares(
     assert [m["role"] for m in win.chat.messages()[-2:]] == ["user", "assistant"]
     assert win.worker.history == [{"role": "user", "content": QUESTION},       # B in place of A, not after it
                                   {"role": "assistant", "content": b["answer"]}]
-    shown = win._replays[-1]
+    shown = win.side_windows[-1]
     assert isinstance(shown, CompareWindow) and shown.isVisible()
     cmp = shown.view.comparison
     assert (cmp.answer_a, cmp.answer_b) == (a["answer"], b["answer"]) and cmp.quest_jaccard is None
