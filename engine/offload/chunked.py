@@ -121,7 +121,7 @@ class ChunkedRunner(OffloadRunner):
                 with rec.span(COMPUTE, "mlp", l):
                     layer.post_rows(lse_output(o, q.dtype), h, residual)
                 if policy.plans_loads:
-                    policy.on_kv_written(l, seq.block_table[cb], own[0], off, b - cb * bs)
+                    policy.on_kv_written(l, [seq.block_table[cb]], own[:1], off, b - cb * bs)
                 if b % bs == 0:
                     oe.offload_dbuf(l, seq.block_table[cb])
                 if policy.plans_loads and is_prefill and b == len(seq):   # the prompt's last query: a first choice
@@ -169,7 +169,7 @@ class ChunkedRunner(OffloadRunner):
                     wait_on(oe.dbuf_read[l], self.device, rec, l)
                 oe.dbuf[l][:, :, off].copy_(buf[new[0], :, :, new[1]])
                 if policy.plans_loads:
-                    policy.on_kv_written(l, host_block, oe.dbuf[l][0], off, off + 1)
+                    policy.on_kv_written(l, [host_block], oe.dbuf[l][:1], off, off + 1)
                 if end % self.block_size == 0:
                     oe.offload_dbuf(l, host_block)
                 oe.release(slot, l, end)

@@ -129,8 +129,7 @@ class OffloadRunner:
             idx = torch.tensor(block_ids, device=self.oe.host.device)
             for layer in range(self.args.num_layers):
                 keys = self.oe.host[layer, idx, 0].to(self.device)          # [n, Hkv, bs, D]
-                for b, k in zip(block_ids, keys):
-                    self.policy.on_kv_written(layer, b, k, 0, self.block_size)
+                self.policy.on_kv_written(layer, list(block_ids), keys, 0, len(block_ids) * self.block_size)
 
     def sync(self) -> None:
         """Every offload issued so far has landed in the host pool."""

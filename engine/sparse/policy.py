@@ -4,11 +4,11 @@ A policy decides; a runner executes. The runners call these hooks and know nothi
 
 - `prefill_attention(q, k, v, layer, scale, ctx)`: a layer's prefill attention over its whole K, V (compute
   policies: MInference, XAttention). The default is dense causal attention.
-- `on_kv_written(layer, block_id, keys, start, end)`: tokens start..end-1 of a host block were written (the ones
-  before are unchanged), and its post-RoPE keys [Hkv, block_size, D] are on the device until the hook returns
-  (metadata: Quest's key bounds). Called for every block a step writes to, the one being filled included, and
-  for blocks read from the disk tier (keys copied up for it); only for policies that `plans_loads` (the others
-  keep no metadata of the keys, and a 32K prompt is 125 calls per layer).
+- `on_kv_written(layer, block_ids, keys, start, end)`: tokens start..end-1 of host blocks laid end to end were
+  written (the ones before are unchanged), and their post-RoPE keys [n, Hkv, block_size, D] are on the device
+  until the hook returns (metadata: Quest's page index). Called for every block a step writes to, the one being
+  filled included (a prompt's completed blocks in one call per layer), and for blocks read from the disk tier
+  (keys copied up for it); only for policies that `plans_loads` (the others keep no metadata of the keys).
 - At decode, for policies with `plans_loads`: `plan_load(layer, context_len, ctx)` says which of the layer's
   tokens to bring to the device for a step whose sequence has context_len tokens (a `LoadPlan`, or None for
   all of them). Loads run ahead of the query, so a plan is made from an earlier query; `observe_query(layer, q,
@@ -127,7 +127,7 @@ class SparsePolicy:
         resident first when a GPU KV budget is given)."""
         return ()
 
-    def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
+    def on_kv_written(self, layer: int, block_ids: list[int], keys: torch.Tensor, start: int, end: int) -> None:
         pass
 
     def plan_load(self, layer: int, context_len: int, ctx: StepContext) -> LoadPlan | None:

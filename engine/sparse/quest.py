@@ -171,10 +171,10 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         return self.sparse(layer, context_len + 1)          # (observe_query chooses for this step and the next)
 
     # ---------------------------------------------------------------- metadata
-    def on_kv_written(self, layer: int, block_id: int, keys: torch.Tensor, start: int, end: int) -> None:
-        """keys [Hkv, block_size, D] of a block whose tokens start..end-1 were just written -> min/max of the pages
-        those tokens complete (at decode: one page every page_size tokens)."""
-        self.index.write(layer, block_id, keys, start, end)
+    def on_kv_written(self, layer: int, block_ids: list[int], keys: torch.Tensor, start: int, end: int) -> None:
+        """keys [n, Hkv, block_size, D] of blocks whose tokens start..end-1 (laid end to end) were just written ->
+        the index of the pages those tokens complete (at decode: one page every page_size tokens)."""
+        self.index.write(layer, block_ids, keys, start, end)
 
     # ---------------------------------------------------------------- the runner's hooks
     def reset(self) -> None:

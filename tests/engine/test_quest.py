@@ -27,7 +27,7 @@ def test_page_bound_is_at_least_the_true_max(seed, g, scale):
     p = _policy()
     keys = torch.randn(6, 2, 32, 8) * scale                       # [block, Hkv, bs, D]
     for b in range(6):
-        p.on_kv_written(1, b, keys[b], 0, 32)
+        p.on_kv_written(1, [b], keys[b][None], 0, 32)
     q = torch.randn(2 * g, 8) * scale                              # [Hq, D]
     bound = p.bounds(1, q, torch.arange(12), torch.ones(12, dtype=torch.bool))   # [Hkv, G, 12]
     k_pages = keys.reshape(6, 2, 2, 16, 8).permute(1, 0, 2, 3, 4).reshape(2, 12, 16, 8)
@@ -39,9 +39,9 @@ def test_page_bounds_follow_the_tokens_as_they_are_written():
     """Decode writes one token at a time: a page's bounds appear when its last token does."""
     p = _policy()
     keys = torch.randn(2, 32, 8)
-    p.on_kv_written(0, 3, keys, 0, 15)                              # 15 tokens: no page complete yet
+    p.on_kv_written(0, [3], keys[None], 0, 15)                      # 15 tokens: no page complete yet
     assert torch.isinf(p.index.kmin[0, 6]).all()
-    p.on_kv_written(0, 3, keys, 15, 16)                             # the 16th completes page 0 of block 3
+    p.on_kv_written(0, [3], keys[None], 15, 16)                     # the 16th completes page 0 of block 3
     torch.testing.assert_close(p.index.kmin[0, 6], keys[:, :16].amin(1))
     assert torch.isinf(p.index.kmin[0, 7]).all()
 
@@ -51,8 +51,8 @@ def test_the_centroid_score_is_the_mean_of_the_bound_and_the_mean_keys_score():
     plain, mid = _policy(), _policy(centroid=True)
     keys = torch.randn(6, 2, 32, 8)                                  # [block, Hkv, bs, D]
     for b in range(6):
-        plain.on_kv_written(1, b, keys[b], 0, 32)
-        mid.on_kv_written(1, b, keys[b], 0, 32)
+        plain.on_kv_written(1, [b], keys[b][None], 0, 32)
+        mid.on_kv_written(1, [b], keys[b][None], 0, 32)
     q, pages, valid = torch.randn(4, 8), torch.arange(12), torch.arange(12) % 3 > 0
     mean = keys.reshape(6, 2, 2, 16, 8).mean(3).permute(1, 0, 2, 3).reshape(2, 12, 8)   # [Hkv, page, D]
     want = (plain.bounds(1, q, pages, valid) + torch.einsum("hgd,hpd->hgp", q.reshape(2, 2, 8), mean)) / 2
@@ -70,7 +70,7 @@ def test_the_centroid_score_prefers_the_page_with_more_attention_to_the_page_wit
     keys[2, :, 0, 0] = 6.0                                          # page 4 (block 2, tokens 0..15): one outlier
     keys[3, :, :16, 0] = 4.0                                        # page 6 (block 3, tokens 0..15): all of them
     for b in range(6):
-        p.on_kv_written(0, b, keys[b], 0, 32)
+        p.on_kv_written(0, [b], keys[b][None], 0, 32)
     q = torch.zeros(4, 8)
     q[:, 0] = 1.0
     p.observe_query(0, q, StepContext(block_table=torch.arange(6), context_len=192))
@@ -84,7 +84,7 @@ def test_selection_is_per_kv_head():
     keys[2, 0, :, 0] = 5.0                                          # pages 4, 5: large keys on kv head 0 only
     keys[4, 1, :, 1] = 5.0                                          # pages 8, 9: large keys on kv head 1 only
     for b in range(6):
-        p.on_kv_written(0, b, keys[b], 0, 32)
+        p.on_kv_written(0, [b], keys[b][None], 0, 32)
     q = torch.zeros(4, 8)
     q[:, 0] = q[:, 1] = 1.0                                         # every query head looks for both
     p.observe_query(0, q, StepContext(block_table=torch.arange(6), context_len=192))   # candidates: pages 1..10
@@ -104,7 +104,7 @@ def test_every_sparse_step_attends_exactly_the_budget(bs, page, budget, sink, re
     table = torch.randperm(blocks)
     ctx = StepContext(block_table=table)
     for b in range(blocks):
-        p.on_kv_written(1, int(table[b]), torch.randn(2, bs, 8), 0, bs)
+        p.on_kv_written(1, [int(table[b])], torch.randn(2, bs, 8)[None], 0, bs)
     for end in range(budget + 1, budget + 3 * bs):
         ctx.context_len = end - 1
         p.observe_query(1, torch.randn(4, 8), ctx)                  # the step before chooses for this one
@@ -136,7 +136,7 @@ def test_the_correction_fetches_what_the_current_query_wants():
     keys[1, :, :16, 0] = 5.0                                        # page 2 answers q[0]
     keys[3, :, 16:, 1] = 5.0                                        # page 7 answers q[1]
     for b in range(6):
-        p.on_kv_written(0, b, keys[b], 0, 32)
+        p.on_kv_written(0, [b], keys[b][None], 0, 32)
     first, second = torch.zeros(4, 8), torch.zeros(4, 8)
     first[:, 0], second[:, 1] = 1.0, 1.0
     assert p.observe_query(0, first, ctx) is None                   # nothing was loaded from a plan yet
@@ -165,7 +165,7 @@ def _two_pages_each():
     keys[1, :, :, 0] = 5.0                                          # pages 2, 3
     keys[3, :, :, 1] = 5.0                                          # pages 6, 7
     for b in range(6):
-        p.on_kv_written(0, b, keys[b], 0, 32)
+        p.on_kv_written(0, [b], keys[b][None], 0, 32)
     along = [torch.zeros(4, 8), torch.zeros(4, 8)]
     along[0][:, 0], along[1][:, 1] = 1.0, 1.0
     return p, along
@@ -248,7 +248,7 @@ def test_load_plans_per_policy():
     ctx = StepContext(block_table=torch.arange(6), context_len=150)
     assert p.plans_loads and p.plan_load(1, 150, ctx) is None
     for b in range(6):
-        p.on_kv_written(1, b, torch.randn(2, 32, 8), 0, 32)
+        p.on_kv_written(1, [b], torch.randn(2, 32, 8)[None], 0, 32)
     p.observe_query(1, torch.randn(4, 8), ctx)
     plan = p.plan_load(1, 151, ctx)
     assert plan is not None and plan.key != p.plan_load(1, 152, ctx).key
@@ -268,7 +268,7 @@ def test_a_page_in_parts_is_bounded_by_its_tightest_part_bound(seed, parts, cent
     keys = torch.randn(6, 2, 32, 8)
     for p in (whole, split):
         for b in range(6):
-            p.on_kv_written(1, b, keys[b], 0, 32)
+            p.on_kv_written(1, [b], keys[b][None], 0, 32)
     q, valid = torch.randn(4, 8), torch.arange(12) % 5 > 0
     got = split.bounds(1, q, torch.arange(12), valid)                         # [Hkv, G, 12]
     k = keys.reshape(6, 2, 2, parts, 16 // parts, 8).permute(1, 0, 2, 3, 4, 5).reshape(2, 12, parts, 16 // parts, 8)
@@ -299,8 +299,8 @@ def test_the_rank_score_is_each_pages_best_token_and_exact_at_full_rank():
     exact, bounds = _policy(rank=8), _policy()
     keys = torch.randn(6, 2, 32, 8)                                  # [block, Hkv, bs, D]
     for b in range(6):
-        exact.on_kv_written(1, b, keys[b], 0, 32)
-        bounds.on_kv_written(1, b, keys[b], 0, 32)
+        exact.on_kv_written(1, [b], keys[b][None], 0, 32)
+        bounds.on_kv_written(1, [b], keys[b][None], 0, 32)
     q, valid = torch.randn(4, 8), torch.arange(12) % 4 > 0
     true = torch.einsum("hgd,hptd->hgpt", q.reshape(2, 2, 8),
                         keys.reshape(6, 2, 2, 16, 8).permute(1, 0, 2, 3, 4).reshape(2, 12, 16, 8)).amax(-1)
@@ -318,7 +318,7 @@ def test_the_rank_score_is_each_pages_best_token_and_exact_at_full_rank():
     keys[2, :, 5, :2] = 2.5
     for p in (low, bnd):
         for b in range(6):
-            p.on_kv_written(0, b, keys[b], 0, 32)
+            p.on_kv_written(0, [b], keys[b][None], 0, 32)
     q = torch.zeros(4, 8)
     q[:, :2] = 1.0
     for p, want in ((low, True), (bnd, False)):
@@ -329,3 +329,47 @@ def test_the_rank_score_is_each_pages_best_token_and_exact_at_full_rank():
 def test_rank_replaces_the_bounds():
     with pytest.raises(ConfigError, match="pass rank=0 with them"):
         _policy(rank=4, centroid=True)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bound_tokens=8), dict(centroid=True), dict(rank=4)])
+@pytest.mark.parametrize("start,end", [(0, 96), (5, 96), (20, 70), (40, 50)])
+def test_a_prompts_blocks_written_at_once_index_as_one_at_a_time(kw, start, end):
+    """A prompt's completed blocks reach the page index in one call (shuffled pool blocks, a ragged first and last
+    block): the same bounds, means or projected keys as the blocks written one by one."""
+    torch.manual_seed(7)
+    table, keys = [4, 0, 5], torch.randn(3, 2, 32, 8)                # [block, Hkv, bs, D]
+    one, many = _policy(**kw), _policy(**kw)
+    for i, b in enumerate(table):
+        lo, hi = max(start - 32 * i, 0), min(end - 32 * i, 32)
+        if hi > lo:
+            one.on_kv_written(1, [b], keys[i][None], lo, hi)
+    many.on_kv_written(1, table, keys, start, end)
+    seq_pages = torch.arange(start // 16, end // 16)                 # the pages the tokens complete
+    q, pages = torch.randn(4, 8), torch.tensor(table)[seq_pages // 2] * 2 + seq_pages % 2   # their pool pages
+    done = torch.ones(len(pages), dtype=torch.bool)
+    scores = [p.bounds(1, q, pages, done) for p in (one, many)]     # (the sketch makes its basis here)
+    assert torch.isfinite(scores[0][:, :, done]).all()
+    torch.testing.assert_close(scores[1], scores[0])
+    got, want = (many.index.keys, one.index.keys) if kw.get("rank") else (many.index.kb, one.index.kb)
+    torch.testing.assert_close(got, want)
+
+
+def test_the_sketch_basis_spans_the_leading_eigenvectors():
+    """The sketch's basis (subspace iteration, no eigh): orthonormal, the span of the r leading eigenvectors where
+    the spectrum has a gap, and still orthonormal and finite for keys of lower rank than r, or none at all."""
+    from engine.sparse.page_index import leading_directions
+    torch.manual_seed(0)
+    u = torch.linalg.qr(torch.randn(3, 16, 16, dtype=torch.float64)).Q
+    values = torch.cat([torch.rand(3, 4) + 2, torch.rand(3, 12) * 0.3], 1).double()   # 4 leading, then a gap
+    m = u @ torch.diag_embed(values) @ u.transpose(1, 2)
+    q = leading_directions(m, 4)
+    lead = u[:, :, :4]
+    eye = torch.eye(4, dtype=q.dtype).expand(3, 4, 4)
+    torch.testing.assert_close(q.transpose(1, 2) @ q, eye)
+    torch.testing.assert_close(q @ q.transpose(1, 2), lead @ lead.transpose(1, 2), atol=1e-6, rtol=0)
+    keys = (torch.randn(2, 50, 3) @ torch.randn(2, 3, 16)).double()              # rank 3 < r = 8
+    q = leading_directions(keys.transpose(1, 2) @ keys, 8)
+    torch.testing.assert_close(q.transpose(1, 2) @ q, torch.eye(8, dtype=q.dtype).expand(2, 8, 8))
+    inside = torch.linalg.matrix_norm(q @ q.transpose(1, 2) @ keys.transpose(1, 2))
+    torch.testing.assert_close(inside, torch.linalg.matrix_norm(keys))              # the keys' span is in it
+    assert leading_directions(torch.zeros(1, 16, 16), 4).isfinite().all()
