@@ -42,8 +42,8 @@ class CompareWindow(QMainWindow):
 
 
     def export_bundle(self, folder: Path) -> Path:
-        """compare.png, compare.svg and comparison.json (the figures, the first difference, the notes, the Quest
-        overlap and mask densities as lists) into `folder`, or a new timestamped subfolder of it when it is not
+        """compare.png, compare.svg and comparison.json (the figures, the first difference and the decode step the
+        answers part at, the notes, the Quest overlap per layer and head and per step, and mask densities as lists) into `folder`, or a new timestamped subfolder of it when it is not
         empty; returns it. ExportError (one line) when it cannot be written."""
         from app.bundle import bundle_folder
         out = bundle_folder(Path(folder))
@@ -53,7 +53,8 @@ class CompareWindow(QMainWindow):
         data = {"format": "kvscope-comparison", "version": 1, "a": c.label_a, "b": c.label_b, "notes": c.notes,
                 "answer_a": c.answer_a, "answer_b": c.answer_b, "first_difference": c.first_difference,
                 "figures": [{"name": n, "a": a, "b": b, "b_over_a": r} for n, a, b, r in c.figures],
-                "quest_aligned_steps": c.quest_steps,
+                "parting_step": c.parting_step, "quest_aligned_steps": c.quest_steps,
+                "quest_step_jaccard": c.quest_step_jaccard.tolist(),
                 "quest_jaccard": None if c.quest_jaccard is None else c.quest_jaccard.tolist(),
                 "mask_density": None if c.mask_density is None else [m.tolist() for m in c.mask_density]}
         (out / "comparison.json").write_text(json.dumps(data, indent=1, default=str).replace("NaN", "null"))

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.offload.tier import model_identity, open_tier
-from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats
+from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats, token_ends
 from engine.model_folder import load_tokenizer, resolve_model_dir
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config
@@ -333,8 +333,11 @@ class LLM:
         if self._recorder.enabled:
             self._recorder.flush()
         figures = self.runner.policy.stats()
-        return [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, request_stats(s, figures),
-                           s.leads) for s in seqs]
+        out = [Completion(self._decode(s.completion_token_ids), s.completion_token_ids, request_stats(s, figures),
+                          s.leads) for s in seqs]
+        for c in out:
+            c.stats.token_ends = token_ends(self.tokenizer, c.token_ids)
+        return out
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
                progress: Progress | None = None) -> Iterator[StreamChunk]:
@@ -352,7 +355,7 @@ class LLM:
         seq = self.add_request(ids, params or SamplingParams())
         seq.t_arrival = t_start
         detok = Detokenizer(self.tokenizer)
-        seen = 0
+        seen, ends = 0, []                   # ends: the answer's length after each token (where two answers part)
         self._task = TaskState(cancel, progress) if cancel is not None or progress is not None else None
         try:
             while not seq.is_finished:
@@ -365,16 +368,20 @@ class LLM:
                     break
                 new = seq.completion_token_ids[seen:]
                 seen += len(new)
-                text = "".join(detok.push(t) for t in new)
-                if text:
-                    yield StreamChunk(text)
+                pieces = [detok.push(t) for t in new]
+                for piece in pieces:
+                    ends.append((ends[-1] if ends else 0) + len(piece))
+                if any(pieces):
+                    yield StreamChunk("".join(pieces))
         finally:
             self._task = None
             if not seq.is_finished:  # the consumer stopped early (closed generator): free the blocks
                 self.cancel(seq)
             if rec.enabled:
                 rec.flush()
-        yield StreamChunk("", request_stats(seq, self.runner.policy.stats()))
+        stats = request_stats(seq, self.runner.policy.stats())
+        stats.token_ends = ends
+        yield StreamChunk("", stats)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""

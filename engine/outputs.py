@@ -21,6 +21,7 @@ class GenerationStats:
     bytes_d2h: int = 0          # KV bytes moved device -> host
     disk_cached_tokens: int = 0  # of the cached tokens, those read from the disk tier
     policy_stats: dict = field(default_factory=dict)  # the sparse policy's figures (density, pages selected, ...)
+    token_ends: list[int] = field(default_factory=list)  # the answer's length in characters after each token
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,3 +71,14 @@ def request_stats(seq: Sequence, policy: dict) -> GenerationStats:
         total_s=end - seq.t_arrival, finish_reason=seq.finish_reason or "cancelled",
         bytes_h2d=seq.bytes_h2d, bytes_d2h=seq.bytes_d2h, disk_cached_tokens=seq.disk_cached_tokens,
         policy_stats=policy)
+
+
+def token_ends(tokenizer, ids: list[int]) -> list[int]:
+    """The text's length in characters after each of `ids` (as streamed: a token that ends inside a multi-byte
+    character adds nothing until the one that completes it); [] without a tokenizer."""
+    if tokenizer is None:
+        return []
+    detok, ends = Detokenizer(tokenizer), []
+    for t in ids:
+        ends.append((ends[-1] if ends else 0) + len(detok.push(t)))
+    return ends

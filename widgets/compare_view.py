@@ -20,12 +20,13 @@ from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (QGridLayout, QGroupBox, QHBoxLayout, QLabel, QSpinBox, QTableWidget,
                                QTableWidgetItem, QTabWidget, QTextBrowser, QVBoxLayout, QWidget)
 
-from engine.trace.compare import Comparison, from_zero
+from engine.trace.compare import Comparison, from_zero, layer_recall, pick_raster
 from widgets.mask_pattern import PrefillMasks, bin_edges
 from widgets.timeline_view import TimelineView
 
 DIFF_COLOR = "#f6c343"      # the answers from their first difference on
 DIFF_BINS = 96              # a compared mask's picture: token bins per side at most
+PICK_COLORS = ["#ffffff", "#f59e0b", "#2563eb", "#15803d"]   # a page picked by neither, A only, B only, both
 
 
 def marked(text: str, at: int | None) -> str:
@@ -42,6 +43,19 @@ def _fmt(v: float) -> str:
     if float(v).is_integer() and abs(v) >= 1:
         return f"{v:,.0f}"
     return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
+
+
+def _before_after(cmp: Comparison) -> str:
+    """The overlap while the answers agree and after they part (the steps then read different text)."""
+    part, per_step = cmp.parting_step, cmp.quest_step_jaccard
+    if part is None or not 0 < part < len(per_step):
+        return ""
+    return (f" ({_fmt(_mean(per_step[:part]))} over the {part} steps before the answers part, "
+            f"{_fmt(_mean(per_step[part:]))} after)")
 
 
 class _Grid(QWidget):
@@ -135,6 +149,88 @@ class _MaskPair(QWidget):
                              "B − A: needs both masks over prompts of the same length")
 
 
+class _PickPair(QWidget):
+    """One layer and kv head's Quest picks of A and of B over the aligned decode steps (rows) and the sequence's
+    pages (columns): A only, B only, both; a line where the answers part (from there the steps read different
+    text); the caption counts them and gives each side's recall at that layer when it was measured."""
+
+    def __init__(self):
+        super().__init__()
+        self.cmp: Comparison | None = None
+        self.values = np.zeros((0, 0), np.uint8)
+        self.layer, self.head = QSpinBox(), QSpinBox()
+        self.caption = QLabel(wordWrap=True)
+        self.plot = pg.PlotWidget(background=self.palette().color(QPalette.ColorRole.Base))
+        self.plot.hideButtons()
+        item = self.plot.getPlotItem()
+        item.getViewBox().invertY(True)
+        item.setLabel("left", "decode step")
+        item.setLabel("bottom", "page of the sequence")
+        self.img = pg.ImageItem(axisOrder="row-major")
+        self.parting = pg.InfiniteLine(angle=0, pen=pg.mkPen("#b91c1c", width=2, style=Qt.PenStyle.DashLine))
+        self.plot.addItem(self.img)
+        self.plot.addItem(self.parting)
+        controls = QHBoxLayout()
+        for label, box in (("layer", self.layer), ("kv head", self.head)):
+            controls.addWidget(QLabel(label))
+            controls.addWidget(box)
+            box.valueChanged.connect(lambda *_: self._redraw())
+        legend = " ".join(f"<span style='background:{c}'>&nbsp;&nbsp;&nbsp;</span> {name}"
+                          for c, name in zip(PICK_COLORS[1:], ("A only", "B only", "both")))
+        controls.addWidget(QLabel(legend))
+        controls.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(controls)
+        layout.addWidget(self.caption)
+        layout.addWidget(self.plot, 1)
+
+    def set_comparison(self, cmp: Comparison) -> None:
+        self.cmp = cmp
+        picked = [(p.layer, p.kv_head) for steps in (cmp.steps_a, cmp.steps_b) for s in steps for p in s.quest]
+        self.setVisible(bool(picked))
+        if picked:
+            layers = sorted({l for l, _ in picked})
+            self.layer.setRange(layers[0], layers[-1])
+            self.head.setRange(0, max(h for _, h in picked))
+            if cmp.quest_jaccard is not None:      # start at the layer where A and B agree least
+                worst = np.nanargmin(np.where(np.isfinite(cmp.quest_jaccard), cmp.quest_jaccard, np.inf), axis=None)
+                self.layer.setValue(int(worst // cmp.quest_jaccard.shape[1]))
+                self.head.setValue(int(worst % cmp.quest_jaccard.shape[1]))
+            self._redraw()
+
+    def _redraw(self) -> None:
+        cmp, layer, head = self.cmp, self.layer.value(), self.head.value()
+        self.values = pick_raster(cmp.steps_a, cmp.steps_b, layer, head)
+        rows, cols = self.values.shape
+        if self.values.size:
+            lut = np.array([pg.mkColor(c).getRgb() for c in PICK_COLORS], np.uint8)
+            self.img.setImage(lut[self.values], levels=[0, 255])
+            self.img.setRect(QRectF(-0.5, -0.5, cols, rows))
+            self.plot.getPlotItem().getViewBox().autoRange(padding=0)
+        else:
+            self.img.clear()
+        part = cmp.parting_step
+        self.parting.setVisible(part is not None and part < rows)
+        if part is not None:
+            self.parting.setValue(part - 0.5)
+        n_a, n_b = ((self.values & bit).astype(bool).sum(1) for bit in (1, 2))
+        def side(name: str, n: np.ndarray, steps) -> str:
+            if not n.any():
+                return f"{name} picked nothing here (a dense layer, or a policy without picks)"
+            recall = layer_recall(steps, layer)
+            return (f"{name} {float(np.mean(n[n > 0])):.0f} pages a step"
+                    + (f", recall {recall:.3f}" if math.isfinite(recall) else ""))
+        both = (self.values == 3).sum(1)
+        union = (self.values > 0).sum(1)
+        shared = [b / u for b, u in zip(both, union) if u] if n_a.any() and n_b.any() else []
+        text = (f"Layer {layer}, kv head {head}: {side('A', n_a, cmp.steps_a)}; {side('B', n_b, cmp.steps_b)}"
+                + (f"; shared {float(np.mean(shared)):.2f} of their union" if shared else ""))
+        if part is not None and part < rows:
+            text += f". The dashed line: from decode step {part} on, the answers differ (the steps read other text)"
+        self.caption.setText(text)
+
+
 class CompareView(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -156,6 +252,7 @@ class CompareView(QWidget):
         self.quest = _Grid("Quest picks", "kv head", ["#f8fafc", "#1d4ed8"], 0.0, 1.0)
         self.masks = _Grid("Prefill masks", "head", ["#b91c1c", "#f8fafc", "#15803d"], -0.5, 0.5)
         self.mask_pair = _MaskPair()
+        self.pick_pair = _PickPair()
 
         answers = QGridLayout()
         answers.addWidget(self.title_a, 0, 0)
@@ -170,7 +267,11 @@ class CompareView(QWidget):
         row = QHBoxLayout(masks)
         row.addWidget(self.masks, 1)
         row.addWidget(self.mask_pair, 2)
-        self.tabs.addTab(self.quest, "Quest picks")
+        picks = QWidget()
+        row = QHBoxLayout(picks)
+        row.addWidget(self.quest, 1)
+        row.addWidget(self.pick_pair, 2)
+        self.tabs.addTab(picks, "Quest picks")
         self.tabs.addTab(masks, "Prefill masks")
         timelines = QGroupBox("Timelines (each turn from its start, one time scale): A above, B below")
         tl = QVBoxLayout(timelines)
@@ -216,10 +317,10 @@ class CompareView(QWidget):
         if cmp.quest_jaccard is None:
             self.quest.set_values(None, "Quest picks: neither turn (or only one) recorded picks to compare")
         else:
-            mean = float(np.nanmean(cmp.quest_jaccard)) if np.isfinite(cmp.quest_jaccard).any() else math.nan
             self.quest.set_values(cmp.quest_jaccard, f"Quest picks: overlap of A's and B's pages (Jaccard, white 0 "
                                   f"→ blue 1) per layer and kv head over {cmp.quest_steps} aligned steps; mean "
-                                  f"{_fmt(mean)}")
+                                  f"{_fmt(_mean(cmp.quest_jaccard))}" + _before_after(cmp))
+        self.pick_pair.set_comparison(cmp)
         self.mask_pair.set_masks(*(next((m for m in map(PrefillMasks.from_step, steps) if m is not None), None)
                                    for steps in (cmp.steps_a, cmp.steps_b)))
         self.tabs.setCurrentIndex(0 if cmp.quest_jaccard is not None or cmp.mask_density is None else 1)
@@ -228,8 +329,7 @@ class CompareView(QWidget):
         else:
             a, b = cmp.mask_density
             self.masks.set_values(b - a, f"Prefill masks: density of B minus A per layer and head (red: B kept "
-                                  f"less, green: more); mean A {_fmt(float(np.nanmean(a)) if np.isfinite(a).any() else math.nan)}"
-                                  f", B {_fmt(float(np.nanmean(b)) if np.isfinite(b).any() else math.nan)}")
+                                  f"less, green: more); mean A {_fmt(_mean(a))}, B {_fmt(_mean(b))}")
 
     def quest_image(self) -> np.ndarray:
         return self.quest.values

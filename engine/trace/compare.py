@@ -5,12 +5,17 @@ and how much the picks overlap, and how their sparse prefill masks differ. Plain
     cmp.first_difference                    # character index where the answers first differ (None: equal)
     cmp.figures                             # [(name, a, b, b / a)] time to first token, tok/s, bytes per token
     cmp.quest_jaccard                       # [layers, kv heads]: mean Jaccard of the picked pages, aligned steps
+    cmp.parting_step                        # the first decode step whose input token differs (None: same, unknown)
+    pick_raster(cmp.steps_a, cmp.steps_b, layer, kv_head)   # [steps, pages]: 1 A picked, 2 B picked, 3 both
     cmp.mask_density                        # ([layers, heads] of A, of B): the prefill masks' densities
 
 Steps are aligned by their order in the turn: the k-th decode step of A with the k-th of B (the same position in
-the answer while the answers agree). Quest's picks are compared as sets of sequence pages (positions), per layer
-and kv head, over the steps both have; a pick absent from one side (a dense layer, a policy without picks) leaves
-NaN there. Recall (the attention mass a step kept) is listed when the recording measured it (`recall=1`).
+the answer while the answers agree). Decode step k reads answer token k, so from the first differing token on
+(`parting_step`, from each turn's `token_ends`: the answer's length after each token) the two steps attend to
+different text, and their picks differ for that reason too. Quest's picks are compared as sets of sequence pages
+(positions), per layer and kv head, over the steps both have; a pick absent from one side (a dense layer, a policy
+without picks) leaves NaN there. Recall (the attention mass a step kept) is listed when the recording measured it
+(`recall=1`), per layer too (`layer_recall`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ class Comparison:
     figures: list[tuple[str, float, float, float]]
     quest_jaccard: np.ndarray | None            # [layers, kv heads], NaN where a side has no pick
     quest_steps: int                            # aligned decode steps with picks on both sides
+    quest_step_jaccard: np.ndarray              # [aligned decode steps]: mean over (layer, kv head), NaN: no pair
+    parting_step: int | None                    # the first aligned decode step reading a different answer token
     mask_density: tuple[np.ndarray, np.ndarray] | None   # [layers, heads] per side, NaN where no mask
     notes: list[str] = field(default_factory=list)
     steps_a: list[StepTrace] = field(default_factory=list)
@@ -70,26 +77,65 @@ def _picks(step: StepTrace) -> dict[tuple[int, int], set[int]]:
             for p in step.quest}
 
 
-def quest_overlap(steps_a: list[StepTrace], steps_b: list[StepTrace]) -> tuple[np.ndarray | None, int]:
+def parting_token(ends_a: list[int], ends_b: list[int], at: int | None) -> int | None:
+    """The index of the first answer token that differs, from the answers' lengths after each token and the first
+    differing character `at`; None when the answers are equal or neither turn recorded its token ends."""
+    if at is None:
+        return None
+    tokens = [next((i for i, end in enumerate(ends) if end > at), len(ends)) for ends in (ends_a, ends_b) if ends]
+    return min(tokens) if tokens else None
+
+
+def _decode_steps(steps: list[StepTrace]) -> list[StepTrace]:
+    return [s for s in steps if s.phase == DECODE]
+
+
+def quest_overlap(steps_a: list[StepTrace], steps_b: list[StepTrace]) -> tuple[np.ndarray | None, int, np.ndarray]:
     """Mean Jaccard |A ∩ B| / |A ∪ B| of the pages picked per (layer, kv head) over the aligned decode steps that
-    have picks on both sides -> ([layers, kv heads] with NaN where a side never picked, steps compared)."""
-    da = [s for s in steps_a if s.phase == DECODE and s.quest]
-    db = [s for s in steps_b if s.phase == DECODE and s.quest]
-    n = min(len(da), len(db))
-    if n == 0:
-        return None, 0
+    have picks on both sides -> ([layers, kv heads] with NaN where a side never picked, steps compared, per aligned
+    decode step the mean over its (layer, kv head)s with NaN where a side has no picks)."""
+    pairs = list(zip(_decode_steps(steps_a), _decode_steps(steps_b)))
     sums: dict[tuple[int, int], list[float]] = {}
-    for a, b in zip(da[:n], db[:n]):
+    per_step = np.full(len(pairs), np.nan)
+    for k, (a, b) in enumerate(pairs):
         pa, pb = _picks(a), _picks(b)
-        for key in pa.keys() & pb.keys():
-            union = len(pa[key] | pb[key])
-            sums.setdefault(key, []).append(len(pa[key] & pb[key]) / union if union else 1.0)
-    layers = max(k[0] for k in sums) + 1 if sums else 0
-    heads = max(k[1] for k in sums) + 1 if sums else 0
-    out = np.full((layers, heads), np.nan)
+        both = [len(pa[key] & pb[key]) / len(pa[key] | pb[key]) if pa[key] | pb[key] else 1.0
+                for key in pa.keys() & pb.keys()]
+        for key, v in zip(pa.keys() & pb.keys(), both):
+            sums.setdefault(key, []).append(v)
+        if both:
+            per_step[k] = float(np.mean(both))
+    n = int(np.isfinite(per_step).sum())
+    if n == 0:
+        return None, 0, per_step
+    out = np.full((max(k[0] for k in sums) + 1, max(k[1] for k in sums) + 1), np.nan)
     for (l, h), v in sums.items():
         out[l, h] = float(np.mean(v))
-    return out, n
+    return out, n, per_step
+
+
+def pick_raster(steps_a: list[StepTrace], steps_b: list[StepTrace], layer: int, kv_head: int) -> np.ndarray:
+    """What A and B picked at one layer and kv head over the aligned decode steps: [steps, sequence pages] uint8,
+    1 where A picked the page, 2 where B did, 3 where both did (0: neither, or a side without picks there)."""
+    da, db = _decode_steps(steps_a), _decode_steps(steps_b)
+    rows: list[tuple[set[int], set[int]]] = []
+    for k in range(max(len(da), len(db))):
+        pa = _picks(da[k]).get((layer, kv_head), set()) if k < len(da) else set()
+        pb = _picks(db[k]).get((layer, kv_head), set()) if k < len(db) else set()
+        rows.append((pa, pb))
+    width = max((max(a | b) + 1 for a, b in rows if a | b), default=0)
+    out = np.zeros((len(rows), width), np.uint8)
+    for k, (a, b) in enumerate(rows):
+        out[k, sorted(a)] |= 1
+        out[k, sorted(b)] |= 2
+    return out
+
+
+def layer_recall(steps: list[StepTrace], layer: int) -> float:
+    """The attention mass Quest's picks kept at `layer`, mean over the decode steps that measured it (NaN: none)."""
+    key = f"quest_recall_l{layer}"
+    values = [s.metrics[key] for s in _decode_steps(steps) if key in s.metrics]
+    return float(np.mean(values)) if values else math.nan
 
 
 def mask_densities(steps: list[StepTrace]) -> np.ndarray | None:
@@ -141,12 +187,13 @@ def compare(a: Recording, b: Recording, turn_a: int = -1, turn_b: int = -1) -> C
                      "differ for that too")
     fa, fb = _figures(ta, sa), _figures(tb, sb)
     figures = [(k, fa[k], fb.get(k, math.nan), fb.get(k, math.nan) / fa[k] if fa[k] else math.nan) for k in fa]
-    jaccard, n = quest_overlap(sa, sb)
+    jaccard, n, per_step = quest_overlap(sa, sb)
+    at = first_difference(ta.get("answer", ""), tb.get("answer", ""))
+    part = parting_token(*(list((t.get("stats") or {}).get("token_ends") or []) for t in (ta, tb)), at)
     ma, mb = mask_densities(sa), mask_densities(sb)
     masks = None
     if ma is not None or mb is not None:
         shape = tuple(max(x.shape[i] for x in (ma, mb) if x is not None) for i in (0, 1))
         masks = tuple(_pad(x, shape) if x is not None else np.full(shape, np.nan) for x in (ma, mb))
-    return Comparison(a.label, b.label, ta.get("answer", ""), tb.get("answer", ""),
-                      first_difference(ta.get("answer", ""), tb.get("answer", "")), figures, jaccard, n, masks,
-                      notes, sa, sb)
+    return Comparison(a.label, b.label, ta.get("answer", ""), tb.get("answer", ""), at, figures, jaccard, n,
+                      per_step, part, masks, notes, sa, sb)

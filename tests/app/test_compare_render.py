@@ -45,6 +45,26 @@ def test_the_compare_view_shows_the_overlap_the_figures_and_the_answers(qtbot, p
     assert view.timeline_a.bar_count() > 0 and view.timeline_b.bar_count() > 0
     assert view.timeline_a.visible_ms() == pytest.approx(view.timeline_b.visible_ms())      # one time scale
     assert not view.masks.plot.isVisible() and "neither turn ran a sparse prefill" in view.masks.caption.text()
+    pp = view.pick_pair                                  # opens at the layer and head where A and B agree least
+    worst = np.nanargmin(np.where(np.isfinite(shown), shown, np.inf))
+    assert (pp.layer.value(), pp.head.value()) == divmod(int(worst), shown.shape[1])
+    assert pp.values.shape[0] == 3 and {2, 3} <= set(np.unique(pp.values).tolist())   # B's extra pages, shared ones
+    assert "pages a step" in pp.caption.text()
+    cmp.parting_step = 1                                 # answers that part at the second token: a line there
+    pp.set_comparison(cmp)
+    assert pp.parting.isVisible() and pp.parting.value() == 0.5 and "from decode step 1 on" in pp.caption.text()
+
+
+def test_against_full_attention_the_picks_of_the_quest_side_show_alone(qtbot, pair, default_model_dir, tmp_path):
+    full = record(default_model_dir, "full", {}, list(range(2000, 2900)), tokens=4)
+    win = CompareWindow(load_recording(pair[0]), full)
+    qtbot.addWidget(win)
+    win.show()
+    view = win.view
+    assert "only one" in view.quest.caption.text()
+    pp = view.pick_pair
+    assert pp.isVisible() and set(np.unique(pp.values).tolist()) == {0, 1}    # A's pages; B loads every page
+    assert "B picked nothing here" in pp.caption.text()
 
 
 def test_render_writes_each_recordings_views_and_a_comparison_sheet(capsys, pair, tmp_path):
