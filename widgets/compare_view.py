@@ -215,6 +215,7 @@ class _PickPair(QWidget):
         if part is not None:
             self.parting.setValue(part - 0.5)
         n_a, n_b = ((self.values & bit).astype(bool).sum(1) for bit in (1, 2))
+
         def side(name: str, n: np.ndarray, steps) -> str:
             if not n.any():
                 return f"{name} picked nothing here (a dense layer, or a policy without picks)"

@@ -72,9 +72,16 @@ def _figures(turn: dict, steps: list[StepTrace]) -> dict[str, float]:
     return out
 
 
+def _pages(pick) -> set[int]:
+    return set(np.asarray(pick.positions if pick.positions is not None else pick.blocks).tolist())
+
+
 def _picks(step: StepTrace) -> dict[tuple[int, int], set[int]]:
-    return {(p.layer, p.kv_head): set(np.asarray(p.positions if p.positions is not None else p.blocks).tolist())
-            for p in step.quest}
+    return {(p.layer, p.kv_head): _pages(p) for p in step.quest}
+
+
+def _pick(step: StepTrace | None, layer: int, kv_head: int) -> set[int]:
+    return next((_pages(p) for p in step.quest if p.layer == layer and p.kv_head == kv_head), set()) if step else set()
 
 
 def parting_token(ends_a: list[int], ends_b: list[int], at: int | None) -> int | None:
@@ -118,11 +125,10 @@ def pick_raster(steps_a: list[StepTrace], steps_b: list[StepTrace], layer: int, 
     """What A and B picked at one layer and kv head over the aligned decode steps: [steps, sequence pages] uint8,
     1 where A picked the page, 2 where B did, 3 where both did (0: neither, or a side without picks there)."""
     da, db = _decode_steps(steps_a), _decode_steps(steps_b)
-    rows: list[tuple[set[int], set[int]]] = []
-    for k in range(max(len(da), len(db))):
-        pa = _picks(da[k]).get((layer, kv_head), set()) if k < len(da) else set()
-        pb = _picks(db[k]).get((layer, kv_head), set()) if k < len(db) else set()
-        rows.append((pa, pb))
+
+    def at(steps: list[StepTrace], k: int) -> set[int]:
+        return _pick(steps[k] if k < len(steps) else None, layer, kv_head)
+    rows = [(at(da, k), at(db, k)) for k in range(max(len(da), len(db)))]
     width = max((max(a | b) + 1 for a, b in rows if a | b), default=0)
     out = np.zeros((len(rows), width), np.uint8)
     for k, (a, b) in enumerate(rows):
