@@ -8,7 +8,8 @@ keys, whose rotating pairs reach both signs within a page, it overshoots the pag
 (the default model, a needle's copy head: bound 32.9 where the needle's key scores 8.5, 38 pages bounded higher),
 so it ranks pages by how spread their keys are more than by the query. The sketch keeps each key's coordinates in
 the r leading directions of its layer's keys (per kv head, the span of the leading eigenvectors of their second
-moment, found by subspace iteration: keys are low-rank, as Loki found) and scores a page by the largest of its tokens' logits estimated there, q·k ≈ (qP)·(kP).
+moment, found by subspace iteration: keys are low-rank, as Loki found) and scores a page by the largest of its
+tokens' logits estimated there, q·k ≈ (qP)·(kP).
 r values a token cost what the bounds cost at 16-token pages when r = head_dim / 8.
 """
 from __future__ import annotations
@@ -42,13 +43,15 @@ class PageBounds:
         first, last = start // ps, end // ps                             # pages first..last-1: complete and new
         if last <= first:
             return
-        n, hkv, bs, d = keys.shape
-        parts = keys.unflatten(2, (bs // ps, self.parts, ps // self.parts))       # [n, Hkv, page, part, token, D]
+        at = _rows(block_ids, first, last, self.pages_per_block, self.parts, self.kb.device)
+        if keys.shape[0] == 1:                                           # one block (decode): only its new pages
+            keys, first, last = keys[:, :, first * ps:last * ps], 0, last - first
+        n, hkv, t, d = keys.shape
+        parts = keys.unflatten(2, (t // ps, self.parts, ps // self.parts))        # [n, Hkv, page, part, token, D]
         stats = [parts.amin(dim=4), parts.amax(dim=4)] + ([parts.float().mean(dim=4).to(parts.dtype)]
                                                           if self.centroid else [])
-        rows = torch.cat(stats, -1).permute(0, 2, 3, 1, 4).reshape(n * bs // ps * self.parts, hkv, -1)
+        rows = torch.cat(stats, -1).permute(0, 2, 3, 1, 4).reshape(n * t // ps * self.parts, hkv, -1)
         rows = rows[first * self.parts:last * self.parts]                # [(last - first) * parts, Hkv, 2-3 D]
-        at = _rows(block_ids, first, last, self.pages_per_block, self.parts, self.kb.device)
         if isinstance(at, int):
             self.kb[layer, at:at + rows.shape[0]] = rows
         else:
@@ -85,31 +88,30 @@ class KeySketch:
         if last <= first:
             return
         rows = _rows(block_ids, first, last, keys.shape[2], 1, self.keys.device)
+        if keys.shape[0] == 1:                                           # one block (decode): only its new pages
+            keys, first, last = keys[:, :, first:last], 0, last - first
         waiting = self.pending[layer]
         if waiting is None:
-            return self._store(layer, rows, keys, first, last)
-        waiting.append((rows, keys.clone(), first, last))
-        if sum(b - a for *_, a, b in waiting) >= self.CALIBRATION:
+            n, hkv, t, _ = keys.shape
+            projected = (keys.to(self.basis.dtype) @ self.basis[layer]).transpose(1, 2).reshape(n * t, hkv, -1)
+            return self._put(layer, rows, projected[first:last])
+        waiting.append((rows, keys.transpose(0, 1).flatten(1, 2)[:, first:last].clone()))     # [Hkv, tokens, D]
+        if sum(k.shape[1] for _, k in waiting) >= self.CALIBRATION:
             self._calibrate(layer)
 
     def _calibrate(self, layer: int) -> None:
         """The layer's basis from the first CALIBRATION keys kept aside (the leading eigenvectors of their second
         moment), then theirs stored."""
         waiting, self.pending[layer] = self.pending[layer], None
-        k = torch.cat([keys.transpose(0, 1).flatten(1, 2)[:, a:b] for _, keys, a, b in waiting], dim=1)
-        k = k[:, :self.CALIBRATION].float()                                        # [Hkv, n, D]
+        k = torch.cat([keys for _, keys in waiting], dim=1)[:, :self.CALIBRATION].float()   # [Hkv, n, D]
         self.basis[layer] = leading_directions(k.transpose(1, 2) @ k, self.rank).to(self.basis.dtype)
-        for rows, keys, a, b in waiting:
-            self._store(layer, rows, keys, a, b)
+        for rows, keys in waiting:
+            self._put(layer, rows, (keys.to(self.basis.dtype) @ self.basis[layer]).transpose(0, 1))
 
-    def _store(self, layer: int, rows: int | torch.Tensor, keys: torch.Tensor, first: int, last: int) -> None:
-        """Tokens first..last-1 of keys [n, Hkv, block_size, D] (laid end to end), projected on the layer's basis,
-        into `rows` (the first of them in a row, or one each)."""
-        n, hkv, bs, _ = keys.shape
-        projected = keys.to(self.basis.dtype) @ self.basis[layer]                 # [n, Hkv, bs, r]
-        projected = projected.transpose(1, 2).reshape(n * bs, hkv, -1)[first:last]
+    def _put(self, layer: int, rows: int | torch.Tensor, projected: torch.Tensor) -> None:
+        """projected keys [n, Hkv, r] into `rows` (the first of n in a row, or one each)."""
         if isinstance(rows, int):
-            self.keys[layer, rows:rows + last - first] = projected
+            self.keys[layer, rows:rows + projected.shape[0]] = projected
         else:
             self.keys[layer].index_copy_(0, rows, projected)
 

@@ -373,3 +373,20 @@ def test_the_sketch_basis_spans_the_leading_eigenvectors():
     inside = torch.linalg.matrix_norm(q @ q.transpose(1, 2) @ keys.transpose(1, 2))
     torch.testing.assert_close(inside, torch.linalg.matrix_norm(keys))              # the keys' span is in it
     assert leading_directions(torch.zeros(1, 16, 16), 4).isfinite().all()
+
+
+def test_before_its_basis_the_sketch_keeps_aside_only_the_completed_pages_tokens():
+    """A short prompt's layer waits for CALIBRATION keys (or its first choice) before it has a basis: what it keeps
+    aside meanwhile is the tokens of the pages completed, not the whole blocks they are in (a page at a time at
+    decode), and once the basis is made they score as if written after it."""
+    p = _policy(rank=4, bs=64, blocks=3)
+    keys = torch.randn(2, 64, 8)
+    p.on_kv_written(0, [2], keys[None], 0, 40)                      # pages 0, 1 complete; 8 tokens of page 2
+    p.on_kv_written(0, [2], keys[None], 40, 48)                     # page 2 completes
+    assert [k.shape for _, k in p.index.pending[0]] == [(2, 32, 8), (2, 16, 8)]
+    q, pages = torch.randn(4, 8), torch.arange(8, 11)               # pool pages of block 2 (4 pages a block)
+    got = p.bounds(0, q, pages, torch.ones(3, dtype=torch.bool))    # (the basis is made here)
+    basis = p.index.basis[0]                                        # [Hkv, D, r]
+    want = torch.einsum("hgr,hptr->hgpt", (q.reshape(2, 2, 8) @ basis),
+                        (keys[:, :48].reshape(2, 3, 16, 8) @ basis[:, None])).amax(-1)
+    torch.testing.assert_close(got, want)
