@@ -43,8 +43,9 @@ class CompareWindow(QMainWindow):
 
     def export_bundle(self, folder: Path) -> Path:
         """compare.png, compare.svg and comparison.json (the figures, the first difference and the decode step the
-        answers part at, the notes, the Quest overlap per layer and head and per step, and mask densities as lists) into `folder`, or a new timestamped subfolder of it when it is not
-        empty; returns it. ExportError (one line) when it cannot be written."""
+        answers part at, the notes, the Quest overlap per layer and head and per step, and mask densities as lists)
+        into `folder`, or a new timestamped subfolder of it when it is not empty; returns it. ExportError (one line)
+        when it cannot be written."""
         from app.bundle import bundle_folder
         out = bundle_folder(Path(folder))
         save_png(self.view, out / "compare.png")
