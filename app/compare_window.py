@@ -10,10 +10,13 @@ from pathlib import Path
 from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import QFileDialog, QMainWindow
 
+from app.quest_highlight import page_spans
 from engine.trace.compare import compare
 from engine.trace.recording import SUFFIX, Recording, RecordingError, load_recording
 from widgets.compare_view import CompareView
 from widgets.export import export_with_dialog, save_png, save_svg, show_export_error
+
+PAGE_TEXT = 160             # characters of a page's text shown when hovering it in the picks' picture
 
 
 def keep_open(parent, window) -> None:
@@ -23,6 +26,23 @@ def keep_open(parent, window) -> None:
 
 
 
+def page_texts(recordings: tuple[Recording, Recording], turns: tuple[int, int], page_size: int):
+    """(side, page) -> the document text of that page of side A's (0) or B's (1) prompt, shortened, from the turn's
+    token map ("" where the page holds no document tokens, or the turn has no map)."""
+    spans = []
+    for rec, i in zip(recordings, turns):
+        token_map = rec.turns[i % len(rec.turns)].get("token_map") if rec.turns else None
+        spans.append(page_spans(token_map, page_size) if token_map is not None and page_size else None)
+
+    def text(side: int, page: int) -> str:
+        s = spans[side]
+        if s is None or page >= len(s) or s[page, 0] < 0:
+            return ""
+        words = " ".join(recordings[side].document[s[page, 0]:s[page, 1]].split())
+        return words if len(words) <= PAGE_TEXT else words[:PAGE_TEXT - 1] + "…"
+    return text
+
+
 class CompareWindow(QMainWindow):
     """`view` (a CompareView); File → Export PNG / SVG."""
 
@@ -30,6 +50,7 @@ class CompareWindow(QMainWindow):
         super().__init__()
         self.view = CompareView()
         self.view.set_comparison(compare(a, b, turn_a, turn_b))
+        self.view.pick_pair.page_text = page_texts((a, b), (turn_a, turn_b), self.view.pick_pair.page_size)
         self.setCentralWidget(self.view)
         self.setWindowTitle(f"A: {Path(a.meta.get('source', 'A')).name} · B: {Path(b.meta.get('source', 'B')).name}"
                             " — compare — kvscope")

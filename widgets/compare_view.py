@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pyqtgraph as pg
@@ -158,8 +159,12 @@ class _PickPair(QWidget):
         super().__init__()
         self.cmp: Comparison | None = None
         self.values = np.zeros((0, 0), np.uint8)
+        self.page_size = 0
+        self.page_text: Callable[[int, int], str] | None = None   # (side 0 | 1, page) -> its document text
         self.layer, self.head = QSpinBox(), QSpinBox()
         self.caption = QLabel(wordWrap=True)
+        self.hover_label = QLabel("Hover a page: which side picked it, and its text", wordWrap=True,
+                                  textFormat=Qt.TextFormat.PlainText)
         self.plot = pg.PlotWidget(background=self.palette().color(QPalette.ColorRole.Base))
         self.plot.hideButtons()
         item = self.plot.getPlotItem()
@@ -184,10 +189,14 @@ class _PickPair(QWidget):
         layout.addLayout(controls)
         layout.addWidget(self.caption)
         layout.addWidget(self.plot, 1)
+        layout.addWidget(self.hover_label)
+        self.plot.scene().sigMouseMoved.connect(self._hover)
 
     def set_comparison(self, cmp: Comparison) -> None:
         self.cmp = cmp
-        picked = [(p.layer, p.kv_head) for steps in (cmp.steps_a, cmp.steps_b) for s in steps for p in s.quest]
+        picks = [p for steps in (cmp.steps_a, cmp.steps_b) for s in steps for p in s.quest]
+        picked = [(p.layer, p.kv_head) for p in picks]
+        self.page_size = next((p.page_size for p in picks if p.page_size), 0)
         self.setVisible(bool(picked))
         if picked:
             layers = sorted({l for l, _ in picked})
@@ -230,6 +239,25 @@ class _PickPair(QWidget):
         if part is not None and part < rows:
             text += f". The dashed line: from decode step {part} on, the answers differ (the steps read other text)"
         self.caption.setText(text)
+
+    def describe(self, step: int, page: int) -> str:
+        """What the picture shows at (decode step, page): who picked the page, its tokens and its document text."""
+        who = ("neither", "A only", "B only", "both")[int(self.values[step, page])]
+        ps = self.page_size
+        text = f"Decode step {step}, page {page}" + (f" (tokens {page * ps:,}–{(page + 1) * ps - 1:,})" if ps else "")
+        text += f": picked by {who}"
+        a, b = (self.page_text(0, page), self.page_text(1, page)) if self.page_text is not None else ("", "")
+        if a and b and a != b:                   # (two documents, or two prompts)
+            text += f" · A: “{a}” · B: “{b}”"
+        elif a or b:                             # (a side without a token map: a turn that was not Quest's)
+            text += f" · “{a or b}”"
+        return text
+
+    def _hover(self, pos) -> None:
+        at = self.plot.getPlotItem().getViewBox().mapSceneToView(pos)
+        step, page = int(round(at.y())), int(round(at.x()))
+        if 0 <= step < self.values.shape[0] and 0 <= page < self.values.shape[1]:
+            self.hover_label.setText(self.describe(step, page))
 
 
 class CompareView(QWidget):

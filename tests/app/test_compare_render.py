@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from PySide6.QtCore import QPointF
 from PySide6.QtGui import QImage
 
 from app.cli import main
@@ -50,6 +51,11 @@ def test_the_compare_view_shows_the_overlap_the_figures_and_the_answers(qtbot, p
     assert (pp.layer.value(), pp.head.value()) == divmod(int(worst), shown.shape[1])
     assert pp.values.shape[0] == 3 and {2, 3} <= set(np.unique(pp.values).tolist())   # B's extra pages, shared ones
     assert "pages a step" in pp.caption.text()
+    step, page = map(int, np.argwhere(pp.values == 3)[0])           # a page both picked
+    at = pp.plot.getPlotItem().getViewBox().mapViewToScene(QPointF(page, step))
+    pp.plot.scene().sigMouseMoved.emit(at)                        # hovering it names it and shows its text
+    assert pp.hover_label.text() == (f"Decode step {step}, page {page} (tokens {page * 16:,}–{page * 16 + 15:,}): "
+                                     f"picked by both · “{'x' * 16}”")   # (the recordings' document: x per token)
     cmp.parting_step = 1                                 # answers that part at the second token: a line there
     pp.set_comparison(cmp)
     assert pp.parting.isVisible() and pp.parting.value() == 0.5 and "from decode step 1 on" in pp.caption.text()
