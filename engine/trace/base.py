@@ -64,9 +64,6 @@ class Recorder:
     def quest_picks(self, layers: list[int], pages, scores, n_pages: list[int], positions, page_size: int) -> None:
         pass
 
-    def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
-        pass
-
     def mask_summaries(self, layer: int, vertical, slash, n: int, density, images=None) -> None:
         pass
 

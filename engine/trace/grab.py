@@ -8,11 +8,7 @@ from engine.trace.events import MaskSummary
 
 
 def masks_of(entry) -> list[MaskSummary]:
-    """A recorded mask (a MaskSummary) or a layer's masks (mask_summaries' tuple) as MaskSummary per head, numpy."""
-    if isinstance(entry, MaskSummary):
-        entry.vertical, entry.slash = to_numpy(entry.vertical), to_numpy(entry.slash)
-        entry.image = None if entry.image is None else to_numpy(entry.image)
-        return [entry]
+    """A layer's recorded masks (mask_summaries' tuple) as a MaskSummary per head, numpy."""
     layer, vertical, slash, n, density, images = entry
     density = to_numpy(density).astype(float)
     none = np.zeros(0, dtype=np.int32)

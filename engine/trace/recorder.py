@@ -49,7 +49,7 @@ import numpy as np
 
 from engine.trace.base import NULL_RECORDER, NULL_SPAN, Recorder  # noqa: F401 - the no-op recorder, re-exported
 from engine.trace.event_clock import EventClock
-from engine.trace.events import (HOST, LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span,
+from engine.trace.events import (HOST, LANES, QuestPick, QuestPicks, SlotState, Span,
                                  StepTrace, live_detail_hz)
 from engine.trace.grab import grab as _grab, masks_of as _masks_of, to_numpy as _to_numpy
 
@@ -153,7 +153,7 @@ class TraceRecorder(Recorder):
         self._owned: list = []                 # this step's pooled events (back to the pool once read)
         self._quest: list[QuestPick] = []
         self._quest_bulk: list[tuple] = []
-        self._masks: list[MaskSummary] = []
+        self._masks: list[tuple] = []          # mask_summaries' entries: a layer's masks each
 
     # ---------------------------------------------------------------- clock and events
     def now_us(self) -> float:
@@ -274,13 +274,6 @@ class TraceRecorder(Recorder):
         with self._lock:
             self._quest_bulk.append((list(layers), _grab(pages, c), _grab(scores, c), list(n_pages),
                                      _grab(positions, c), int(page_size), self._step_no))
-
-    def mask_summary(self, layer: int, head: int, vertical, slash, n: int, density: float, image=None) -> None:
-        c = self._cuda
-        m = MaskSummary(layer, head, _grab(vertical, c), _grab(slash, c), int(n), float(density),
-                        None if image is None else _grab(image, c))
-        with self._lock:
-            self._masks.append(m)
 
     def mask_summaries(self, layer: int, vertical, slash, n: int, density, images=None) -> None:
         """A layer's masks, every head at once: vertical [Hq, NV] and slash [Hq, NS] (None: none), density [Hq],

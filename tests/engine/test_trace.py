@@ -201,9 +201,10 @@ def test_cpu_spans_from_threads_land_in_the_step():
 def test_masks_added_spans_and_an_unclosed_step():
     rec = TraceRecorder()
     rec.begin_step("prefill", 64)
-    vertical = torch.arange(4)
-    rec.mask_summary(1, 2, vertical, np.array([0, 3]), 64, 0.25, image=torch.ones(2, 2, dtype=torch.bfloat16))
-    vertical[0] = 99  # later in-place changes do not reach the record
+    vertical = torch.arange(4)[None]                                 # [heads, lines]: one head
+    rec.mask_summaries(1, vertical, np.array([[0, 3]]), 64, torch.tensor([0.25]),
+                       images=torch.ones(1, 2, 2, dtype=torch.bfloat16))
+    vertical[0, 0] = 99  # later in-place changes do not reach the record
     t = rec.now_us()
     rec.add_span(Span(HOST, "tokenize", t, t + 5.0))
     rec.begin_step("decode", 1)  # the prefill was never ended: closed now, marked incomplete

@@ -69,7 +69,7 @@ class SpyRecorder(Recorder):
     def _count(self, *a, **k):
         self.calls += 1
 
-    begin_step = end_step = add_span = add_event_span = slot_state = quest_pick = mask_summary = _count
+    begin_step = end_step = add_span = add_event_span = slot_state = quest_pick = quest_picks = mask_summaries = _count
 
     def span(self, *a, **k):
         return NULL_SPAN
