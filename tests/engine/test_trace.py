@@ -202,8 +202,7 @@ def test_masks_added_spans_and_an_unclosed_step():
     rec = TraceRecorder()
     rec.begin_step("prefill", 64)
     vertical = torch.arange(4)[None]                                 # [heads, lines]: one head
-    rec.mask_summaries(1, vertical, np.array([[0, 3]]), 64, torch.tensor([0.25]),
-                       images=torch.ones(1, 2, 2, dtype=torch.bfloat16))
+    rec.mask_summaries(1, vertical, np.array([[0, 3]]), 64, torch.tensor([0.25]), torch.ones(1, 2, 2).bfloat16())
     vertical[0, 0] = 99  # later in-place changes do not reach the record
     t = rec.now_us()
     rec.add_span(Span(HOST, "tokenize", t, t + 5.0))
