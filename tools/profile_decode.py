@@ -5,6 +5,7 @@
     python tools/profile_decode.py --shape qwen3-4b --ctx 131072 --policy quest --params '{"token_budget": 2048}' \
         --gpu-kv-budget 2.7 --layers                   # one steady step's timeline, per layer (CUDA events)
     python tools/profile_decode.py ... --wall --steps 24   # steady steps' wall time, and when the host is done issuing
+    python tools/profile_decode.py --ctx 16384 --max-model-len 131072 ... --wall   # a short prompt, a long limit
 
 `--syncs` profiles the steps with Python stacks and counts, per decode step, the calls that block the host
 (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, synchronous cudaMemcpy) and the copies
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--mode", default="layerwise")
     p.add_argument("--policy", default="full")
     p.add_argument("--params", default="{}", help="policy parameters as JSON")
+    p.add_argument("--max-model-len", type=int, default=0, help="the engine's context limit (default: ctx + 64); a "
+                   "longer one than the prompt needs shows what a short document costs under a long-context model")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warm", type=int, default=8, help="decode steps before any timing (CUDA graphs are captured on "
                    "a layer's second use of a ring slot: with 3 slots, in the first ~6 steps)")
@@ -53,7 +56,7 @@ def main() -> None:
                    "early means the GPU's own chain sets the pace")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
-    llm = LLM(shape=shape_config(a.shape), max_model_len=a.ctx + 64, mode=a.mode, policy=a.policy,
+    llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode, policy=a.policy,
               policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
     if a.trace or a.layers:

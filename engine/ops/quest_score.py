@@ -37,18 +37,32 @@ def page_bounds_reference(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _program_pages(pages, valid, n, P: tl.constexpr):
-        """This program's P sequence pages: their index, which are inside n, which are candidates, their pool ids."""
+    def _program_pages(pages, valid, n, n_live, P: tl.constexpr):
+        """This program's P sequence pages: their index, which are inside n, which are candidates (before n_live),
+        their pool ids."""
         p = tl.program_id(1) * P + tl.arange(0, P)
         inside = p < n
-        ok = (tl.load(valid + p, mask=inside, other=0) != 0) & inside
+        ok = (tl.load(valid + p, mask=inside & (p < n_live), other=0) != 0) & inside & (p < n_live)
         return p, inside, ok, tl.load(pages + p, mask=ok, other=0).to(tl.int64)
 
     @triton.jit
-    def _page_bounds_kernel(kb, q, pages, valid, out, n, s_kp, s_kh, s_qh, s_oh, s_og,
+    def _beyond(live, out, h, n, s_oh, s_og, G: tl.constexpr, P: tl.constexpr):
+        """Whether this program's pages all lie at or after `live` (no candidates): then it writes -inf there and
+        reads nothing."""
+        p = tl.program_id(1) * P + tl.arange(0, P)
+        past = tl.program_id(1) * P >= tl.load(live)
+        if past:
+            for g in tl.static_range(G):
+                tl.store(out + h * s_oh + g * s_og + p, tl.full([P], float("-inf"), tl.float32), mask=p < n)
+        return past
+
+    @triton.jit
+    def _page_bounds_kernel(kb, q, pages, valid, live, out, n, s_kp, s_kh, s_qh, s_oh, s_og,
                             G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr):
         h = tl.program_id(0)
-        p, inside, ok, page = _program_pages(pages, valid, n, P)
+        if _beyond(live, out, h, n, s_oh, s_og, G, P):
+            return
+        p, inside, ok, page = _program_pages(pages, valid, n, tl.load(live), P)
         d = tl.arange(0, DP)
         at = page[:, None] * s_kp + h * s_kh + d[None, :]
         m = ok[:, None] & (d[None, :] < D)
@@ -60,17 +74,22 @@ if triton is not None:
             tl.store(out + h * s_oh + g * s_og + p, tl.where(ok, b, float("-inf")), mask=inside)
 
 
+def _live(live: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    return torch.full((), n, dtype=torch.long, device=device) if live is None else live
+
+
 def page_bounds(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
-                kernel: bool = True) -> torch.Tensor:
+                kernel: bool = True, live: torch.Tensor | None = None) -> torch.Tensor:
     """-> [Hkv, G, n] float32 bounds (see the module docstring); the kernel where `kernel` and Triton is there,
-    else the reference."""
+    else the reference. live: a device scalar, no page at or after it is a candidate: the kernel reads nothing
+    there (-inf out), so its work follows the sequence rather than the n pages its graph was captured for."""
     if not kernel or triton is None or kb.stride(-1) != 1 or q.stride(-1) != 1:
         return page_bounds_reference(kb, q, pages, valid)
     hkv, d, n = kb.shape[1], q.shape[-1], pages.shape[0]
     g = q.shape[0] // hkv
     out = torch.empty(hkv, g, n, dtype=torch.float32, device=q.device)
     _page_bounds_kernel[(hkv, triton.cdiv(n, PAGES))](
-        kb, q, pages, valid.view(torch.uint8), out, n, kb.stride(0), kb.stride(1), q.stride(0), out.stride(0),
+        kb, q, pages, valid.view(torch.uint8), _live(live, n, q.device), out, n, kb.stride(0), kb.stride(1), q.stride(0), out.stride(0),
         out.stride(1), G=g, D=d, DP=triton.next_power_of_2(d), P=PAGES, num_warps=4)
     return out
 
@@ -89,11 +108,13 @@ def sketch_scores_reference(keys: torch.Tensor, qr: torch.Tensor, pages: torch.T
 
 if triton is not None:
     @triton.jit
-    def _sketch_scores_kernel(keys, qr, pages, valid, out, n, s_kr, s_kh, s_qh, s_qg, s_oh, s_og,
+    def _sketch_scores_kernel(keys, qr, pages, valid, live, out, n, s_kr, s_kh, s_qh, s_qg, s_oh, s_og,
                               G: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PS: tl.constexpr,
                               PSP: tl.constexpr, P: tl.constexpr):
         h = tl.program_id(0)
-        p, inside, ok, page = _program_pages(pages, valid, n, P)
+        if _beyond(live, out, h, n, s_oh, s_og, G, P):
+            return
+        p, inside, ok, page = _program_pages(pages, valid, n, tl.load(live), P)
         t = tl.arange(0, PSP)
         j = tl.arange(0, RP)
         row = page[:, None] * PS + t[None, :]                                  # [P, PSP] pool rows
@@ -108,24 +129,24 @@ if triton is not None:
 
 
 def sketch_scores(keys: torch.Tensor, qr: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor, page_size: int,
-                  kernel: bool = True) -> torch.Tensor:
+                  kernel: bool = True, live: torch.Tensor | None = None) -> torch.Tensor:
     """-> [Hkv, G, n] float32 (see `sketch_scores_reference`): one kernel where `kernel` and Triton is there (it
     reads each candidate page's keys once, straight from the sketch; the torch version copies every page's keys
-    out first, then multiplies and reduces), else the torch version."""
+    out first, then multiplies and reduces), else the torch version. live: as in `page_bounds`."""
     if not kernel or triton is None or keys.stride(-1) != 1 or qr.stride(-1) != 1:
         return sketch_scores_reference(keys, qr, pages, valid, page_size)
     hkv, g, r = qr.shape
     n = pages.shape[0]
     out = torch.empty(hkv, g, n, dtype=torch.float32, device=qr.device)
     _sketch_scores_kernel[(hkv, triton.cdiv(n, SKETCH_PAGES))](
-        keys, qr, pages, valid.view(torch.uint8), out, n, keys.stride(0), keys.stride(1), qr.stride(0), qr.stride(1),
+        keys, qr, pages, valid.view(torch.uint8), _live(live, n, qr.device), out, n, keys.stride(0), keys.stride(1), qr.stride(0), qr.stride(1),
         out.stride(0), out.stride(1), G=g, R=r, RP=triton.next_power_of_2(r), PS=page_size,
         PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, num_warps=4)
     return out
 
 
 def page_scores(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor, parts: int = 1,
-                centroid: bool = False, kernel: bool = True) -> torch.Tensor:
+                centroid: bool = False, kernel: bool = True, live: torch.Tensor | None = None) -> torch.Tensor:
     """A page's score per query head [Hkv, G, n] (-inf where not valid), for Quest's choice. kb [pool_pages *
     parts, Hkv, 2D or 3D] holds each page's `parts` rows in a run (pool page p's at p * parts ..): the page's
     score is the largest of its parts' bounds; with `centroid` (kb's third D: the part's mean key) each part's
@@ -134,7 +155,7 @@ def page_scores(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: t
     if parts > 1:
         pages = (pages[:, None] * parts + torch.arange(parts, device=pages.device)).flatten()
         valid = valid[:, None].expand(n, parts).flatten()
-    b = page_bounds(kb[..., :2 * d], q, pages, valid, kernel)
+    b = page_bounds(kb[..., :2 * d], q, pages, valid, kernel, None if live is None or parts > 1 else live)
     if centroid:
         mean = kb.index_select(0, pages)[..., 2 * d:]                                   # [n * parts, Hkv, D]
         qg = q.reshape(mean.shape[1], -1, d).to(mean.dtype)

@@ -7,6 +7,7 @@ share its kv head's query heads would give it (softmax over the candidates per q
 is last (its page loses its tail to the window), their scores, and how many of `prev` [Hkv, k] (the previous
 choice) are among them. torch.topk and the two dozen small kernels around it took ~0.2 ms per layer on an H100
 at 128K tokens; the kernel scores, finds the k-th largest score by bisection on its bits (the head's scores held in registers) and writes the pages.
+Its work follows the sequence's pages (`live`, a device scalar), not the `max_model_len` its graph was made for.
 
 `correct(new, slots, page_ids, base, n_rows, page_size)`: a buffer's packed slots [Hkv, k] (the page each holds,
 -1: none) and a choice `new` [Hkv, k] -> the host rows to fetch and where they go ([Hkv, k * page_size] each,
@@ -58,17 +59,17 @@ def correct_reference(new, slots, page_ids, base, n_rows, page_size: int):
 
 if triton is not None:
     @triton.jit
-    def _choose_kernel(b, scores, pages, out_scores, prev, kept, n, k, scale, s_bh, s_bg, s_sh, s_ph, s_oh, s_vh,
+    def _choose_kernel(b, scores, pages, out_scores, prev, kept, live, n, k, scale, s_bh, s_bg, s_sh, s_ph, s_oh, s_vh,
                        G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr,
-                       NT: tl.constexpr, HI: tl.constexpr,
-                       ITERS: tl.constexpr):
+                       NT: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, HI: tl.constexpr, ITERS: tl.constexpr):
         h = tl.program_id(0)
+        n_live = tl.minimum(tl.load(live), n)                   # the sequence's pages: the rest are never read
         g = tl.arange(0, GP)
         m = tl.full([GP], float("-inf"), tl.float32)
         z = tl.zeros([GP], tl.float32)
-        for c0 in range(0, n, C):                               # per query head: max and sum of exp (online)
+        for c0 in range(0, n_live, C):                          # per query head: max and sum of exp (online)
             p = c0 + tl.arange(0, C)
-            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n),
+            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n_live),
                         other=float("-inf")) * scale
             m_new = tl.maximum(m, tl.max(x, axis=1))
             safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -76,15 +77,28 @@ if triton is not None:
             m = m_new
         safe = tl.where(m > float("-inf"), m, 0.0)
         zr = tl.where(z > 0, 1.0 / tl.maximum(z, 1e-30), 0.0)
-        for c0 in range(0, n, C):                               # scores + 1, so that every key is >= 0 (-1 -> 0)
+        for c0 in range(0, n_live, C):                          # scores + 1, so that every key is >= 0 (-1 -> 0)
             p = c0 + tl.arange(0, C)
-            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n),
+            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n_live),
                         other=float("-inf")) * scale
             s = tl.sum(tl.exp(x - safe[:, None]) * zr[:, None], 0)
-            tl.store(scores + h * s_sh + p, tl.where(tl.max(x, axis=0) > float("-inf"), s + 1.0, 0.0), mask=p < n)
+            tl.store(scores + h * s_sh + p, tl.where(tl.max(x, axis=0) > float("-inf"), s + 1.0, 0.0), mask=p < n_live)
         tl.debug_barrier()                                      # (the keys below are other threads' scores)
-        # the head's keys in registers, in two parts: the first NP pages (NP a power of two <= n) and the NT after
-        # them (a tail: n = 8,196 pages, a 128K context with room for its answer, would pad to 16,384 otherwise)
+        # the head's keys are held in registers: as many as the sequence's pages need (three sizes, so that a short
+        # context under a long max_model_len does not pay the long one's choice), the largest in two parts
+        if n_live <= N2:
+            _pick(scores, pages, out_scores, prev, kept, h, n_live, k, s_sh, s_ph, s_oh, s_vh, KP, N2, 16, HI, ITERS)
+        elif n_live <= N1:
+            _pick(scores, pages, out_scores, prev, kept, h, n_live, k, s_sh, s_ph, s_oh, s_vh, KP, N1, 16, HI, ITERS)
+        else:
+            _pick(scores, pages, out_scores, prev, kept, h, n_live, k, s_sh, s_ph, s_oh, s_vh, KP, NP, NT, HI, ITERS)
+
+    @triton.jit
+    def _pick(scores, pages, out_scores, prev, kept, h, n, k, s_sh, s_ph, s_oh, s_vh, KP: tl.constexpr,
+              NP: tl.constexpr, NT: tl.constexpr, HI: tl.constexpr, ITERS: tl.constexpr):
+        """The k best of the head's n keys (scores + 1), held in registers in two parts: the first NP pages (NP a
+        power of two) and the NT after them (a tail: n = 8,196 pages, a 128K context with room for its answer,
+        would pad to 16,384 otherwise) -> pages, out_scores and kept."""
         p = tl.arange(0, NP)
         p2 = NP + tl.arange(0, NT)
         key = tl.load(scores + h * s_sh + p, mask=p < n, other=-1.0).to(tl.int32, bitcast=True)
@@ -172,9 +186,11 @@ if triton is not None:
 
 
 def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: torch.Tensor, pages: torch.Tensor,
-           scores: torch.Tensor, kept: torch.Tensor, kernel: bool = True) -> None:
+           scores: torch.Tensor, kept: torch.Tensor, kernel: bool = True, live: torch.Tensor | None = None) -> None:
     """Into pages [Hkv, k], scores [Hkv, k], kept [Hkv] (int32): the kernel (scratch [Hkv, n] float32) where
-    `kernel` and Triton is there, else the torch version. `pages` may be `prev` itself (read before written)."""
+    `kernel` and Triton is there, else the torch version. `pages` may be `prev` itself (read before written).
+    live: a device scalar, the kernel reads b's first `live` pages only (the rest are no candidates): its work
+    follows the sequence, not the n pages of `max_model_len` its graph was captured for."""
     if not kernel or triton is None:
         top, sc, kp = choose_reference(b, scale, k, prev)
         pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
@@ -183,10 +199,12 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
     np2 = 1 << (max(n, 16).bit_length() - 1)                           # the largest power of two <= n (and 16)
     nt = triton.next_power_of_2(max(n - np2, 16))                      # the tail after it (masked where empty)
     hi = struct.unpack("<i", struct.pack("<f", g + 1.5))[0]               # above any key (scores sum to <= G)
-    _choose_kernel[(hkv,)](b, scratch, pages, scores, prev, kept, n, k, scale, b.stride(0), b.stride(1),
+    live = torch.full((), n, dtype=torch.long, device=b.device) if live is None else live
+    _choose_kernel[(hkv,)](b, scratch, pages, scores, prev, kept, live, n, k, scale, b.stride(0), b.stride(1),
                            scratch.stride(0), pages.stride(0), scores.stride(0), prev.stride(0), G=g,
                            GP=triton.next_power_of_2(g), C=CHUNK, KP=triton.next_power_of_2(k), NP=np2, NT=nt,
-                           HI=hi, ITERS=(hi - 0x3F800000).bit_length(), num_warps=8 if np2 <= 8192 else 16)
+                           N1=max(np2 // 4, 16), N2=max(np2 // 16, 16), HI=hi, ITERS=(hi - 0x3F800000).bit_length(),
+                           num_warps=8 if np2 <= 8192 else 16)
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,

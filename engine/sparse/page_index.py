@@ -57,8 +57,9 @@ class PageBounds:
         else:
             self.kb[layer].index_copy_(0, at, rows)
 
-    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return page_scores(self.kb[layer], q, pages, valid, self.parts, self.centroid, self.kernels)
+    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
+               live: torch.Tensor | None = None) -> torch.Tensor:
+        return page_scores(self.kb[layer], q, pages, valid, self.parts, self.centroid, self.kernels, live)
 
 
 class KeySketch:
@@ -115,14 +116,15 @@ class KeySketch:
         else:
             self.keys[layer].index_copy_(0, rows, projected)
 
-    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
+               live: torch.Tensor | None = None) -> torch.Tensor:
         """q [Hq, D], pool pages [n] -> each page's largest estimated logit per query head [Hkv, G, n] (float32),
-        -inf where not `valid`."""
+        -inf where not `valid` (live: a device scalar, no candidate at or after it; the kernel reads nothing there)."""
         if self.pending[layer]:                                                   # (a prompt shorter than CALIBRATION)
             self._calibrate(layer)
         hkv, d, _ = self.basis.shape[1:]
         qr = q.reshape(hkv, -1, d).to(self.basis.dtype) @ self.basis[layer]    # [Hkv, G, r]
-        return sketch_scores(self.keys[layer], qr, pages, valid, self.page_size, self.kernels)
+        return sketch_scores(self.keys[layer], qr, pages, valid, self.page_size, self.kernels, live)
 
 
 def leading_directions(m: torch.Tensor, r: int, passes: int = 24) -> torch.Tensor:

@@ -106,6 +106,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         lng = dict(dtype=torch.long, device=dev)
         self._page_ids = torch.zeros(n, **lng)                  # the sequence's page -> pool page
         self._valid = torch.zeros(n, dtype=torch.bool, device=dev)   # this step's candidates
+        self._live = torch.zeros((), **lng)                     # the sequence's pages, after which none is scored
         self._pages = torch.zeros(L, hkv, self.k, **lng)       # each layer's choice: sequence pages, ascending
         self._scores = torch.zeros(L, hkv, self.k, dtype=torch.float32, device=dev)
         self._plan = torch.full((2, L, hkv, self.token_budget + ps), -1, **lng)   # rows to load, by context parity
@@ -300,6 +301,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._page_ids[:n] = (table.long()[:, None] * ppb + self._in_block).flatten()
         first, stop = self.sink // self.page_size, (end - self.window) // self.page_size
         torch.logical_and(self._all_pages >= first, self._all_pages < stop, out=self._valid)
+        self._live.fill_(stop)
         self._next.fill_((end + 1) % 2)
         self._begin_plan(end + 1)
         _, tail, base = self._layout_for(end)
@@ -332,12 +334,13 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         "ahead": a guessed query's choice, only corrects the slots (rows to the layer's _ahead_rows). Static
         shapes, no host sync."""
         ahead = mode == "ahead"
-        b = self.bounds(layer, self._q_ahead if ahead else self._q, self._page_ids, self._valid)
+        n, live = (None, self._live) if self._kernels else (self._n_candidates, None)   # (graphs read `_live`)
+        b = self.bounds(layer, self._q_ahead if ahead else self._q, self._page_ids[:n], self._valid[:n], live)
         pages = self._guess if ahead else self._pages[layer]
         scores = self._guess_scores if ahead else self._scores[layer]
         kept = self._guess_kept if ahead else self._kept[layer]
         choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch_ahead if ahead else
-               self._scratch, pages, scores, kept, self._kernels)
+               self._scratch, pages, scores, kept, self._kernels, live)
         planned = False                                 # (the kernel writes the next plan's rows with the fix)
         if mode != "choose":
             rows, dst = (self._ahead_rows[layer], self._ahead_dst[layer]) if ahead else (self._fix_rows, self._fix_dst)
@@ -386,7 +389,9 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         return rows
 
     # ---------------------------------------------------------------- selection
-    def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
+               live: torch.Tensor | None = None) -> torch.Tensor:
         """q [Hq, D] -> each of the pool pages' `pages` [n] score per query head [Hkv, G, n], -inf where not
-        `valid` (engine/sparse/page_index.py)."""
-        return self.index.scores(layer, q, pages, valid)
+        `valid` (engine/sparse/page_index.py; live: a device scalar, no candidate at or after it, read by the
+        kernels: their work follows the sequence's pages, not those of `max_model_len`)."""
+        return self.index.scores(layer, q, pages, valid, live)

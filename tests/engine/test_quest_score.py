@@ -70,3 +70,27 @@ def test_sketch_kernel_equals_reference_and_the_best_token(hkv, g, r, ps, dtype)
     k = keys.float().cpu().view(pool_pages, ps, hkv, r)[pages.cpu()]                  # [35, ps, Hkv, r]
     best = torch.einsum("hgr,pthr->hgpt", qr.float().cpu(), k).amax(-1)             # the definition
     torch.testing.assert_close(want.cpu()[:, :, valid.cpu()], best[:, :, valid.cpu()], rtol=tol, atol=tol * r)
+
+
+@pytest.mark.parametrize("kind", ["bounds", "sketch"])
+def test_kernels_read_nothing_after_the_live_pages(kind):
+    """A graph made for max_model_len's pages scores the sequence's first `live` pages only: -inf after them, even
+    where `valid` (stale) says otherwise and the pool there holds NaN (pages never written)."""
+    hkv, g, d, ps, n, live = 2, 3, 16, 4, 150, 37                         # 37: inside a program's pages
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(hkv * g, d, generator=gen).to(DEV)
+    pages = torch.randperm(n, generator=gen).to(DEV)
+    valid = torch.ones(n, dtype=torch.bool, device=DEV)
+    if kind == "bounds":
+        kb, _ = _pool(n, hkv, d, torch.float32, seed=12)
+        kb[pages[live:]] = float("nan")
+        got = page_bounds(kb, q, pages, valid, live=torch.tensor(live, device=DEV))
+        want = page_bounds_reference(kb, q, pages[:live], valid[:live])
+    else:
+        keys = torch.randn(n * ps, hkv, 8, generator=gen).to(DEV)
+        keys.view(n, ps, hkv, 8)[pages[live:]] = float("nan")
+        qr = torch.randn(hkv, g, 8, generator=gen).to(DEV)
+        got = sketch_scores(keys, qr, pages, valid, ps, live=torch.tensor(live, device=DEV))
+        want = sketch_scores_reference(keys, qr, pages[:live], valid[:live], ps)
+    assert got.shape == (hkv, g, n) and (got[..., live:] == float("-inf")).all()
+    torch.testing.assert_close(got[..., :live], want, rtol=1e-4, atol=1e-3)

@@ -60,6 +60,26 @@ def test_choice_kernel_takes_equal_scores_in_page_order(n, k):
     assert pages[0].tolist() == sorted([7, 100, 260] + take[:-1]) + [take[-1]]
 
 
+@pytest.mark.parametrize("live", [300, 1500, 8190])   # each size of the kernel's register-held keys (n 8200)
+def test_choice_kernel_reads_only_the_live_pages(live):
+    """A graph captured for max_model_len's pages chooses among the sequence's first `live` pages only: the same
+    choice as the reference over those pages, whatever the pages after them hold (garbage from other steps)."""
+    hkv, g, n, k = 2, 3, 8200, 64
+    b, _ = _bounds(hkv, g, n, seed=live)
+    b[..., live:] = 50.0                                                 # would win every slot if it were read
+    prev = torch.stack([torch.randperm(live, generator=torch.Generator().manual_seed(h))[:k] for h in range(hkv)])
+    prev[:, 0] = n - 1                                                   # a stale page of a longer sequence
+    prev = prev.to(DEV)
+    want, want_s, want_kept = choose_reference(b[..., :live], 0.3, k, prev)
+    pages, scores = torch.zeros(hkv, k, dtype=torch.long, device=DEV), torch.zeros(hkv, k, device=DEV)
+    kept = torch.zeros(hkv, dtype=torch.int32, device=DEV)
+    scratch = torch.full((hkv, n), 7.0, device=DEV)                      # (stale scores past live, too)
+    choose(b, 0.3, k, prev, scratch, pages, scores, kept, live=torch.tensor(live, device=DEV))
+    assert torch.equal(pages, want) and torch.equal(kept.long(), want_kept)
+    torch.testing.assert_close(scores, want_s, rtol=1e-5, atol=1e-6)
+    assert (pages < live).all()
+
+
 def test_reference_choice_is_the_k_best_scores():
     b, valid = _bounds(2, 3, 200, seed=1)
     top, sc, _ = choose_reference(b, 0.5, 10, torch.zeros(2, 10, dtype=torch.long, device=DEV))
