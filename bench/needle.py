@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     n.add_argument("--quest-budget", type=int, default=1024)
     n.add_argument("--quest-page", type=int, default=16)
     n.add_argument("--block-size", type=int, default=256)
+    n.add_argument("--warm-up", action="store_true", help="warm each engine up first (LLM.warm_up: throwaway "
+                   "prompts, as the command line and the app do on CUDA) before its cells")
     n.add_argument("--json", default=None, help="also write every cell (answer included) to this file")
     args = p.parse_args(argv)
     from engine.paths import output_file_problem
@@ -150,6 +152,8 @@ def _run(args, policies: list[tuple[str, dict]]) -> int:
         params.update(given)
         llm = LLM(args.model, device=args.device, mode=args.mode, policy=policy, policy_params=params,
                   kv_block_size=args.block_size, max_model_len=max(lengths) + 64)
+        if args.warm_up:
+            llm.warm_up()
         got = run_needles(llm, policy, lengths, depths, kinds)
         cells += got
         print(f"\n{policy} ({args.mode} mode{', ' + json.dumps(params) if params else ''}):")

@@ -156,6 +156,7 @@ class LLM:
         finally:
             self._recorder, self.tier = saved, tier
             self.block_manager.forget_cached()
+            self.runner.policy.forget()          # (Quest's sketch basis: from the user's prompt, not these)
 
     def __enter__(self) -> "LLM":
         return self

@@ -57,6 +57,12 @@ class PageBounds:
         else:
             self.kb[layer].index_copy_(0, at, rows)
 
+    def forget(self) -> None:
+        """Nothing learned beyond each page's own keys (a page's bounds are written again with its block)."""
+
+    def prepare(self, layer: int) -> None:
+        """Nothing to make before a layer's pages are scored."""
+
     def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
                live: torch.Tensor | None = None) -> torch.Tensor:
         return page_scores(self.kb[layer], q, pages, valid, self.parts, self.centroid, self.kernels, live)
@@ -100,6 +106,21 @@ class KeySketch:
         if sum(k.shape[1] for _, k in waiting) >= self.CALIBRATION:
             self._calibrate(layer)
 
+    def forget(self) -> None:
+        """Every layer's basis is made again from the next keys written (a warm-up's throwaway prompt gave a
+        basis that kept 81-92% of the energy of a real document's keys that the document's own basis keeps, on the
+        default model). The keys projected so far are of blocks the engine dropped. The basis is zeroed in place
+        (the selection graphs read it where it is)."""
+        self.pending = [[] for _ in self.pending]
+        self.basis.zero_()
+
+    def prepare(self, layer: int) -> None:
+        """Before a layer's pages are scored: its basis, if its keys are still kept aside (a prompt shorter than
+        CALIBRATION). Called eagerly before a selection graph is replayed: a replay runs no Python, so a basis made
+        inside `scores` would never be made again after `forget` (the warm-up's graphs would score with zeros)."""
+        if self.pending[layer]:
+            self._calibrate(layer)
+
     def _calibrate(self, layer: int) -> None:
         """The layer's basis from the first CALIBRATION keys kept aside (the leading eigenvectors of their second
         moment), then theirs stored."""
@@ -120,8 +141,7 @@ class KeySketch:
                live: torch.Tensor | None = None) -> torch.Tensor:
         """q [Hq, D], pool pages [n] -> each page's largest estimated logit per query head [Hkv, G, n] (float32),
         -inf where not `valid` (live: a device scalar, no candidate at or after it; the kernel reads nothing there)."""
-        if self.pending[layer]:                                                   # (a prompt shorter than CALIBRATION)
-            self._calibrate(layer)
+        self.prepare(layer)                                                       # (direct calls: eager)
         hkv, d, _ = self.basis.shape[1:]
         qr = q.reshape(hkv, -1, d).to(self.basis.dtype) @ self.basis[layer]    # [Hkv, G, r]
         return sketch_scores(self.keys[layer], qr, pages, valid, self.page_size, self.kernels, live)

@@ -96,6 +96,10 @@ class SparsePolicy:
     def reset(self) -> None:
         """A new sequence starts (its prefill)."""
 
+    def forget(self) -> None:
+        """The engine dropped its cached blocks after throwaway prompts (LLM.warm_up): what the policy learned from
+        their keys must not shape the user's requests (Quest's sketch basis). Its kernels and graphs stay."""
+
     def stats(self) -> dict:
         """The policy's figures for the last request (JSON-ready): density, pages selected, ..."""
         return {}

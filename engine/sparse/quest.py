@@ -191,6 +191,12 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self.selections = self.fetched = self.fetched_ahead = self.fixes = self.plans = 0
         self.dense_reason = ""
 
+    def forget(self) -> None:
+        """After throwaway prompts: the sketch's basis is made again from the next prompt's keys (in place: the
+        selection graphs read it where it is)."""
+        self.index.forget()
+        self.reset()
+
     def _rows(self, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Sequence token positions [..] -> rows of the layer's host pool (block * block_size + offset)."""
         bs = self.layout.block_size
@@ -313,6 +319,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         """The layer's selection, then `then()` (tag names what it touches): eager, or (CUDA graphs) captured on
         its second use and replayed after."""
         key = (layer, mode, tag)
+        self.index.prepare(layer)                       # (eager: the sketch's basis, where its keys wait for it)
         graph = self._graphs.get(key)
         if graph is None and (not self._capture or key not in self._warm):
             self._warm.add(key)

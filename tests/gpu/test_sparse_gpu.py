@@ -268,3 +268,26 @@ def test_xattention_estimate_kernel_at_real_shapes(tq, tk, d, dtype):
     kernel, torch_form = select_blocks(got, 0.9, tq, tk, 128), select_blocks_reference(got, 0.9, tq, tk, 128)
     assert (kernel == torch_form).float().mean() > 0.999       # (sums in another order may move a cut by one block)
     assert (got.where(kernel, 0).sum(-1) >= 0.9 - 1e-4).all()
+
+
+def test_the_warm_up_leaves_no_sketch_basis_behind():
+    """LLM.warm_up's throwaway prompts reach Quest's sketch first: after it, the user's prompt makes the basis, the
+    one an engine that never warmed up makes from the same prompt (the warm-up's own basis differs)."""
+    prompt = torch.randint(0, 49152, (3000,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = {"token_budget": 512, "min_context": 2048, "min_layer_mb": 0}
+    bases = []
+    for warm in (True, False):
+        llm = LLM(shape=shape_config("smollm2-135m"), dtype="float32", max_model_len=4096, mode="layerwise",
+                  kv_block_size=256, policy="quest", policy_params=params)
+        try:
+            if warm:
+                llm.warm_up()
+                index = llm.runner.policy.index
+                assert all(p == [] for p in index.pending)            # forgotten: made again from the next keys
+                made_in_warm_up = index.basis.clone()
+            llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+            bases.append(llm.runner.policy.index.basis.clone())
+        finally:
+            llm.close()
+    torch.testing.assert_close(bases[0], bases[1], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(made_in_warm_up[2:], bases[1][2:], atol=1e-2)   # (layers 0, 1 are dense)
