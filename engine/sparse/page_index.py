@@ -151,18 +151,48 @@ def leading_directions(m: torch.Tensor, r: int, passes: int = 24) -> torch.Tenso
     """An orthonormal basis [B, D, r] of the span of the r leading eigenvectors of symmetric positive semi-definite
     m [B, D, D] (keys' second moments): subspace iteration, each pass a matmul and a Cholesky QR, in float64.
     torch.linalg.eigh took 13.5 ms a layer on the H100 (8 heads of 128) and waited for the device: a third of
-    the prefill at 32K on the Qwen3-4B shape; this is ~75 small launches and no host sync. The shift by a small
+    the prefill at 32K on the Qwen3-4B shape; this is ~150 small launches and no host sync, on CUDA one graph
+    replay (captured once per shape: eager, the launches took ~4 ms a layer of host time for ~1 ms of GPU work,
+    so a fresh Quest policy's first prompt took 140 ms longer on the default model's shape). The shift by a small
     multiple of I keeps the eigenvectors and the Gram matrices positive definite when the keys have rank < r.
     Passes: on the default model's keys 12 keep >= 99.7% of the energy the exact eigenvectors keep, but the
     eigenvalues around the r-th are close (ratios 1.02-1.18), so the span converges slowly there, and the H100's
     needle grid lost a near-tie cell at 12 that it keeps at 24 and 64, as with the exact basis (README, Quest).
-    `tests/engine/test_quest.py` pins the subspace on a spectrum with a gap."""
+    `tests/engine/test_quest_sketch.py` pins the subspace on a spectrum with a gap."""
+    if not m.is_cuda or torch.cuda.is_current_stream_capturing():
+        return _subspace(m, _start(m, r), passes)
+    key = (tuple(m.shape), r, passes, m.device)
+    if key not in _GRAPHS:
+        with torch.inference_mode(False):                                # (updated in place in and out of it)
+            m_in, q0 = torch.empty(m.shape, dtype=torch.float64, device=m.device), _start(m, r)
+        m_in.copy_(m)
+        _subspace(m_in, q0, passes)                                      # (its libraries' handles, before capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            q_out = _subspace(m_in, q0, passes)
+        _GRAPHS[key] = graph, m_in, q0, q_out                           # (q0 too: the replays read it)
+    graph, m_in, _, q_out = _GRAPHS[key]
+    m_in.copy_(m)
+    graph.replay()
+    return q_out.clone()
+
+
+_GRAPHS: dict[tuple, tuple] = {}   # (m's shape, r, passes, device) -> (graph, its input, its start, its output)
+
+
+def _start(m: torch.Tensor, r: int) -> torch.Tensor:
+    """The iteration's seeded start [D, r] (float64), made where m is (no host copy)."""
+    seed = torch.Generator(m.device).manual_seed(0)
+    return torch.randn(m.shape[-1], r, generator=seed, dtype=torch.float64, device=m.device)
+
+
+def _subspace(m: torch.Tensor, q: torch.Tensor, passes: int) -> torch.Tensor:
+    """leading_directions' passes from the start q [D, r] (float64)."""
     m = m.double()
     trace = m.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
     eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
     m = m / (trace + 1e-30) + 1e-4 * eye
-    seed = torch.Generator(m.device).manual_seed(0)                      # (made where m is: no host copy)
-    q = torch.randn(m.shape[-1], r, generator=seed, dtype=m.dtype, device=m.device).expand(m.shape[0], -1, -1)
+    q = q.expand(m.shape[0], -1, -1)
     for i in range(passes + 1):
         y = m @ q if i < passes else q                           # the last: q once more (Cholesky QR twice)
         chol, _info = torch.linalg.cholesky_ex(y.transpose(-1, -2) @ y)
