@@ -106,7 +106,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         lng = dict(dtype=torch.long, device=dev)
         self._page_ids = torch.zeros(n, **lng)                  # the sequence's page -> pool page
         self._valid = torch.zeros(n, dtype=torch.bool, device=dev)   # this step's candidates
-        self._live = torch.zeros((), **lng)                     # the sequence's pages, after which none is scored
+        self._live = torch.zeros((), **lng)      # the sequence's pages: the kernels score none after (max_model_len's)
         self._pages = torch.zeros(L, hkv, self.k, **lng)       # each layer's choice: sequence pages, ascending
         self._scores = torch.zeros(L, hkv, self.k, dtype=torch.float32, device=dev)
         self._plan = torch.full((2, L, hkv, self.token_budget + ps), -1, **lng)   # rows to load, by context parity
@@ -180,20 +180,17 @@ class QuestPolicy(QuestFigures, SparsePolicy):
     # ---------------------------------------------------------------- the runner's hooks
     def reset(self) -> None:
         """A new sequence: selections are made again from its own queries; figures start over."""
-        self._recall.clear()
-        self._chosen.clear()
-        self._planned.clear()
+        for kept in (self._recall, self._chosen, self._planned, self._ahead_at):
+            kept.clear()
         self._picked, self._fixed, self._chose, self._step = [], [], [], {}   # a stopped step's leftovers
         self._setup_for, self._plan_for = None, [None, None]
-        self._ahead_at.clear()
         self._speculate = [True] * self.layout.num_layers
         self._fetched.zero_()
         self.selections = self.fetched = self.fetched_ahead = self.fixes = self.plans = 0
         self.dense_reason = ""
 
     def forget(self) -> None:
-        """After throwaway prompts: the sketch's basis is made again from the next prompt's keys (in place: the
-        selection graphs read it where it is)."""
+        """After throwaway prompts: the sketch's basis is made again, in place, from the next prompt's keys."""
         self.index.forget()
         self.reset()
 
@@ -399,6 +396,5 @@ class QuestPolicy(QuestFigures, SparsePolicy):
     def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
                live: torch.Tensor | None = None) -> torch.Tensor:
         """q [Hq, D] -> each of the pool pages' `pages` [n] score per query head [Hkv, G, n], -inf where not
-        `valid` (engine/sparse/page_index.py; live: a device scalar, no candidate at or after it, read by the
-        kernels: their work follows the sequence's pages, not those of `max_model_len`)."""
+        `valid` (engine/sparse/page_index.py; live: a device scalar the kernels read, no candidate at or after it)."""
         return self.index.scores(layer, q, pages, valid, live)
