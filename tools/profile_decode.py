@@ -56,8 +56,8 @@ def main() -> None:
                    "early means the GPU's own chain sets the pace")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
-    llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode, policy=a.policy,
-              policy_params=json.loads(a.params), enforce_eager=a.eager,
+    llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode,
+              policy=a.policy, policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
     if a.trace or a.layers:
         from engine.trace import TraceRecorder

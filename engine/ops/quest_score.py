@@ -42,7 +42,8 @@ if triton is not None:
         their pool ids."""
         p = tl.program_id(1) * P + tl.arange(0, P)
         inside = p < n
-        ok = (tl.load(valid + p, mask=inside & (p < n_live), other=0) != 0) & inside & (p < n_live)
+        live = inside & (p < n_live)
+        ok = (tl.load(valid + p, mask=live, other=0) != 0) & live
         return p, inside, ok, tl.load(pages + p, mask=ok, other=0).to(tl.int64)
 
     @triton.jit
@@ -75,6 +76,7 @@ if triton is not None:
 
 
 def _live(live: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """The kernels' page count past which nothing is read: `live`, or all n pages."""
     return torch.full((), n, dtype=torch.long, device=device) if live is None else live
 
 
@@ -89,8 +91,8 @@ def page_bounds(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: t
     g = q.shape[0] // hkv
     out = torch.empty(hkv, g, n, dtype=torch.float32, device=q.device)
     _page_bounds_kernel[(hkv, triton.cdiv(n, PAGES))](
-        kb, q, pages, valid.view(torch.uint8), _live(live, n, q.device), out, n, kb.stride(0), kb.stride(1), q.stride(0), out.stride(0),
-        out.stride(1), G=g, D=d, DP=triton.next_power_of_2(d), P=PAGES, num_warps=4)
+        kb, q, pages, valid.view(torch.uint8), _live(live, n, q.device), out, n, kb.stride(0), kb.stride(1),
+        q.stride(0), out.stride(0), out.stride(1), G=g, D=d, DP=triton.next_power_of_2(d), P=PAGES, num_warps=4)
     return out
 
 
@@ -139,8 +141,8 @@ def sketch_scores(keys: torch.Tensor, qr: torch.Tensor, pages: torch.Tensor, val
     n = pages.shape[0]
     out = torch.empty(hkv, g, n, dtype=torch.float32, device=qr.device)
     _sketch_scores_kernel[(hkv, triton.cdiv(n, SKETCH_PAGES))](
-        keys, qr, pages, valid.view(torch.uint8), _live(live, n, qr.device), out, n, keys.stride(0), keys.stride(1), qr.stride(0), qr.stride(1),
-        out.stride(0), out.stride(1), G=g, R=r, RP=triton.next_power_of_2(r), PS=page_size,
+        keys, qr, pages, valid.view(torch.uint8), _live(live, n, qr.device), out, n, keys.stride(0), keys.stride(1),
+        qr.stride(0), qr.stride(1), out.stride(0), out.stride(1), G=g, R=r, RP=triton.next_power_of_2(r), PS=page_size,
         PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, num_warps=4)
     return out
 

@@ -302,4 +302,5 @@ def test_the_sketch_basis_graph_gives_the_eager_basis():
         m = k.transpose(1, 2) @ k
         got = leading_directions(m, 32)
         torch.testing.assert_close(got, _subspace(m, _start(m, 32), 24), rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(got.transpose(1, 2) @ got, torch.eye(32, dtype=got.dtype, device="cuda").expand(3, 32, 32))
+        eye = torch.eye(32, dtype=got.dtype, device="cuda").expand(3, 32, 32)
+        torch.testing.assert_close(got.transpose(1, 2) @ got, eye)
