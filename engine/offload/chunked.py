@@ -99,9 +99,9 @@ class ChunkedRunner(OffloadRunner):
         first = self._pos
         for i in range(min(N, len(loads))):
             self._issue((first + i) % N, loads[i])
-        h, residual, pos, cos_sin = self._inputs(seq, a, b)
         if graphed and len(loads) == len(model.layers):                   # one load per layer
-            return self._graph_step(seq, cb, off, b, loads, tails, observe, first, h, residual, cos_sin, ctx)
+            return self._graph_step(seq, cb, off, b, loads, tails, observe, first, ctx)
+        h, residual, pos, cos_sin = self._inputs(seq, a, b)
         for l, layer in enumerate(model.layers):
             with rec.span(COMPUTE, model.layer_names[l], l):
                 with rec.span(COMPUTE, "attention", l):
@@ -132,8 +132,8 @@ class ChunkedRunner(OffloadRunner):
         self._pos = first + len(loads)
         return self._logits(h, residual, ctx)
 
-    def _graph_step(self, seq: Sequence, cb: int, off: int, end: int, loads, tails, observe, first: int, h,
-                    residual, cos_sin, ctx: StepContext):
+    def _graph_step(self, seq: Sequence, cb: int, off: int, end: int, loads, tails, observe, first: int,
+                    ctx: StepContext):
         """One decode token, layer i over ring slot (first + i) % N, which holds the layer's earlier blocks or the
         policy's planned rows (packed per kv head): the partly filled block (or, after planned rows, the newest
         tokens the plan leaves on the device) copied in after them, then the layer's compute as graph replays (q,
@@ -143,7 +143,7 @@ class ChunkedRunner(OffloadRunner):
         oe, graphs, rec, N, policy, bs = (self.oe, self.decode_graphs, ctx.recorder, self.oe.ring_slots, self.policy,
                                           self.block_size)
         host_block = seq.block_table[cb]
-        graphs.begin(h, residual, cos_sin)
+        graphs.begin_token(seq.token_ids[-1], end - 1)
         for l, name in enumerate(self.model.layer_names):
             slot = (first + l) % N
             with rec.span(COMPUTE, name, l, slot=slot):

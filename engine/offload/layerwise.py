@@ -73,12 +73,13 @@ class LayerwiseRunner(OffloadRunner):
         end = len(seq)
         n_host, n_done = start // bs, end // bs      # complete blocks before / after this step
         table = seq.block_table
-        h, residual, pos, cos_sin = self._inputs(seq, start, end)
-        slots = torch.stack([pos // bs, pos % bs])
         graphs = None if is_prefill else self.decode_graphs
         if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
-            graphs.begin(h, residual, cos_sin)
-            h, residual = graphs.h, graphs.residual
+            graphs.begin_token(seq.token_ids[-1], start)
+            h, residual, pos, cos_sin, slots = graphs.h, graphs.residual, None, None, None
+        else:
+            h, residual, pos, cos_sin = self._inputs(seq, start, end)
+            slots = torch.stack([pos // bs, pos % bs])
         observe = policy.plans_loads       # each layer's last query (at prefill the prompt's: the first choice)
         S, N = len(self.streamed), oe.ring_slots
         marks = rec.detail and self.device.type == "cuda"   # CUDA timeline: layers share their boundary marks

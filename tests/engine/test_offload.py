@@ -330,3 +330,35 @@ def test_the_live_detail_rate_keeps_the_timeline_of_only_some_decode_steps(defau
     else:                                        # gaps: only the detailed steps' own time
         assert summarize(steps).window_us == pytest.approx(sum(s.dur_us for s in steps if s.detailed))
     llm.close()
+
+
+def test_a_resident_buffer_loads_again_only_what_changed():
+    """A resident layer's load at every decode step is skipped without a look at each block while nothing it holds
+    changed; a block rewritten from outside (the disk tier), positions compute overwrote, or another layer's
+    blocks make it copy again, and what it then holds is the host pool's."""
+    from engine.offload.offload_engine import OffloadEngine
+    oe = OffloadEngine(2, 2, 4, 4, torch.float32, torch.device("cpu"), host_blocks=6, ring_slots=1, slot_blocks=4,
+                       resident_layers=(1,))
+    try:
+        oe.host.copy_(torch.randn_like(oe.host))
+        buf = oe.resident[1]
+
+        def load(blocks):
+            before = oe.bytes_h2d
+            oe.load(buf, 1, blocks)
+            oe.synchronize()
+            assert torch.equal(oe.buffers[buf][:len(blocks)], oe.host[1, blocks])
+            return (oe.bytes_h2d - before) // oe.block_bytes
+
+        assert load([3, 5]) == 2
+        assert load([3, 5]) == 0                    # held: nothing moves
+        assert load([3, 5, 0]) == 1                 # one more block
+        oe.host[1, 5] += 1.0
+        oe.host_written([5])
+        assert load([3, 5, 0]) == 1                 # the rewritten block only
+        oe.writing(buf, 2)                          # compute writes position 2
+        assert load([3, 5, 0]) == 1
+        oe.load(buf, 0, [1])                        # another layer's block in the buffer
+        assert load([3, 5, 0]) == 3
+    finally:
+        oe.close()
