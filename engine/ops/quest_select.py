@@ -1,4 +1,4 @@
-"""Quest's choice and correction as two kernels (one program per kv head each), and the torch versions they are
+"""Quest's choice (three kernels) and correction (one program per kv head), and the torch versions they are
 tested against (also the CPU path).
 
 `choose(b, scale, k, prev)`: bounds b [Hkv, G, n] (float32, -inf: no candidate) -> a page's score, the attention
@@ -6,7 +6,13 @@ share its kv head's query heads would give it (softmax over the candidates per q
 -1 for no candidate), and the k best pages per kv head: [Hkv, k] ascending, except the lowest-scored one, which
 is last (its page loses its tail to the window), their scores, and how many of `prev` [Hkv, k] (the previous
 choice) are among them. torch.topk and the two dozen small kernels around it took ~0.2 ms per layer on an H100
-at 128K tokens; the kernel scores, finds the k-th largest score by bisection on its bits (the head's scores held in registers) and writes the pages.
+at 128K tokens. The kernels: each chunk of CHUNK pages of a head its query heads' max and sum of exp; each chunk
+its pages' scores and the k it would choose on its own (any page the head chooses is among them); per head, the
+k best of those candidates. A choice finds the k-th largest score by bisection on its bits, the keys held in
+registers, and takes the pages tied at it in page order. One program per kv head holding all 8,196 pages of a 128K
+context took 38 µs alone and 49 µs in a decode step on an H100 (8 of 132 SMs busy): the chunks spread it
+(alone, CUDA graph replays, 8 kv heads of 4 query heads, 125 pages: 8,196 pages 39.1 -> 23.5 µs; a 32K context's
+2,044 pages 16.8 -> 20.7 µs, the same under a 128K limit 18.6 -> 23.0 µs).
 Its work follows the sequence's pages (`live`, a device scalar), not the `max_model_len` its graph was made for.
 
 `correct(new, slots, page_ids, base, n_rows, page_size)`: a buffer's packed slots [Hkv, k] (the page each holds,
@@ -25,7 +31,7 @@ try:
 except ImportError:  # CPU-only installs use the torch versions
     triton = None
 
-CHUNK = 1024   # pages per loop iteration of the softmax passes
+CHUNK = 512   # pages per program of the choice's first two kernels (H100: 256 and 1024 were slower)
 
 
 def choose_reference(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor):
@@ -59,84 +65,121 @@ def correct_reference(new, slots, page_ids, base, n_rows, page_size: int):
 
 if triton is not None:
     @triton.jit
-    def _choose_kernel(b, scores, pages, out_scores, prev, kept, live, n, k, scale, s_bh, s_bg, s_sh, s_ph, s_oh, s_vh,
-                       G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr,
-                       NT: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, HI: tl.constexpr, ITERS: tl.constexpr):
-        h = tl.program_id(0)
-        n_live = tl.minimum(tl.load(live), n)                   # the sequence's pages: the rest are never read
+    def _chunk(b, h, c, n_live, scale, s_bh, s_bg, G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr):
+        """Chunk c's bounds of head h, scaled [GP, C] (-inf past the live pages), and their pages."""
         g = tl.arange(0, GP)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        z = tl.zeros([GP], tl.float32)
-        for c0 in range(0, n_live, C):                          # per query head: max and sum of exp (online)
-            p = c0 + tl.arange(0, C)
-            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n_live),
-                        other=float("-inf")) * scale
-            m_new = tl.maximum(m, tl.max(x, axis=1))
-            safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            z = z * tl.exp(tl.where(m > float("-inf"), m - safe, float("-inf"))) + tl.sum(tl.exp(x - safe[:, None]), 1)
-            m = m_new
-        safe = tl.where(m > float("-inf"), m, 0.0)
-        zr = tl.where(z > 0, 1.0 / tl.maximum(z, 1e-30), 0.0)
-        for c0 in range(0, n_live, C):                          # scores + 1, so that every key is >= 0 (-1 -> 0)
-            p = c0 + tl.arange(0, C)
-            x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n_live),
-                        other=float("-inf")) * scale
-            s = tl.sum(tl.exp(x - safe[:, None]) * zr[:, None], 0)
-            tl.store(scores + h * s_sh + p, tl.where(tl.max(x, axis=0) > float("-inf"), s + 1.0, 0.0), mask=p < n_live)
-        tl.debug_barrier()                                      # (the keys below are other threads' scores)
-        # the head's keys are held in registers: as many as the sequence's pages need (three sizes, so that a short
-        # context under a long max_model_len does not pay the long one's choice), the largest in two parts
-        if n_live <= N2:
-            _pick(scores, pages, out_scores, prev, kept, h, n_live, k, s_sh, s_ph, s_oh, s_vh, KP, N2, 16, HI, ITERS)
-        elif n_live <= N1:
-            _pick(scores, pages, out_scores, prev, kept, h, n_live, k, s_sh, s_ph, s_oh, s_vh, KP, N1, 16, HI, ITERS)
-        else:
-            _pick(scores, pages, out_scores, prev, kept, h, n_live, k, s_sh, s_ph, s_oh, s_vh, KP, NP, NT, HI, ITERS)
+        p = c * C + tl.arange(0, C)
+        x = tl.load(b + h * s_bh + g[:, None] * s_bg + p[None, :], mask=(g[:, None] < G) & (p[None, :] < n_live),
+                    other=float("-inf")) * scale
+        return x, p
 
     @triton.jit
-    def _pick(scores, pages, out_scores, prev, kept, h, n, k, s_sh, s_ph, s_oh, s_vh, KP: tl.constexpr,
-              NP: tl.constexpr, NT: tl.constexpr, HI: tl.constexpr, ITERS: tl.constexpr):
-        """The k best of the head's n keys (scores + 1), held in registers in two parts: the first NP pages (NP a
-        power of two) and the NT after them (a tail: n = 8,196 pages, a 128K context with room for its answer,
-        would pad to 16,384 otherwise) -> pages, out_scores and kept."""
-        p = tl.arange(0, NP)
-        p2 = NP + tl.arange(0, NT)
-        key = tl.load(scores + h * s_sh + p, mask=p < n, other=-1.0).to(tl.int32, bitcast=True)
-        key2 = tl.load(scores + h * s_sh + p2, mask=p2 < n, other=-1.0).to(tl.int32, bitcast=True)
-        # the k-th largest key by bisection on the bits (non-negative floats order as their int32 bits); a
-        # candidate's key is in [1, G + 1], no candidate's 0 (the answer where there are fewer than k candidates:
-        # the bisection then never leaves 0)
+    def _stats_kernel(b, stats, live, n, scale, s_bh, s_bg, s_sh, s_sc, G: tl.constexpr, GP: tl.constexpr,
+                      C: tl.constexpr):
+        """Per (kv head, chunk of C pages): each query head's max and sum of exp over the chunk -> stats[h, c]."""
+        h, c = tl.program_id(0), tl.program_id(1)
+        x, _ = _chunk(b, h, c, tl.minimum(tl.load(live), n), scale, s_bh, s_bg, G, GP, C)
+        m = tl.max(x, axis=1)
+        safe = tl.where(m > float("-inf"), m, 0.0)
+        z = tl.sum(tl.exp(x - safe[:, None]), 1)
+        g = tl.arange(0, GP)
+        tl.store(stats + h * s_sh + c * s_sc + g, m)
+        tl.store(stats + h * s_sh + c * s_sc + GP + g, z)
+
+    @triton.jit
+    def _chunk_kernel(b, stats, scores, cand, live, n, k, scale, s_bh, s_bg, s_sh, s_sc, s_ch, s_cc, s_xh,
+                      G: tl.constexpr, GP: tl.constexpr, C: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
+                      KP: tl.constexpr, HI: tl.constexpr, ITERS: tl.constexpr):
+        """Per (kv head, chunk): the chunk's pages' scores (+ 1; 0: no candidate) into `scores`, and the k it would
+        choose on its own (the ties at its k-th score in page order) into cand[h, c] as (key, page), in page order:
+        any page the head chooses is among them."""
+        h, c = tl.program_id(0), tl.program_id(1)
+        n_live = tl.minimum(tl.load(live), n)
+        j = tl.arange(0, KP)
+        at = cand + h * s_ch + c * s_cc
+        if c * C >= n_live:                                     # past the sequence's pages: no candidate
+            tl.store(at + j, tl.full([KP], -1, tl.int32))
+            return
+        cc = tl.arange(0, NCP)                                  # every chunk's stats -> the head's softmax
+        g = tl.arange(0, GP)
+        ok = (cc[:, None] < NC) & (g[None, :] < G)
+        m_all = tl.load(stats + h * s_sh + cc[:, None] * s_sc + g[None, :], mask=ok, other=float("-inf"))
+        z_all = tl.load(stats + h * s_sh + cc[:, None] * s_sc + GP + g[None, :], mask=ok, other=0.0)
+        m = tl.max(m_all, axis=0)
+        safe = tl.where(m > float("-inf"), m, 0.0)
+        z = tl.sum(z_all * tl.exp(m_all - safe[None, :]), 0)
+        zr = tl.where(z > 0, 1.0 / tl.maximum(z, 1e-30), 0.0)
+        x, p = _chunk(b, h, c, n_live, scale, s_bh, s_bg, G, GP, C)
+        sc = tl.sum(tl.exp(x - safe[:, None]) * zr[:, None], 0)
+        sc = tl.where(tl.max(x, axis=0) > float("-inf"), sc + 1.0, 0.0)
+        tl.store(scores + h * s_xh + p, sc, mask=p < n_live)
+        key = tl.where(p < n_live, sc, -1.0).to(tl.int32, bitcast=True)
+        _, sel, _, last, _ = _kth(key, key, k, HI, ITERS, False)
+        take = sel | last
+        pos = tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(at + j, tl.full([KP], -1, tl.int32))
+        tl.debug_barrier()
+        tl.store(at + pos, key, mask=take)
+        tl.store(at + KP + pos, p, mask=take)
+
+    @triton.jit
+    def _merge_kernel(cand, scores, pages, out_scores, prev, kept, live, n, k, s_ch, s_xh, s_ph, s_oh, s_vh,
+                      NC: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr, HI: tl.constexpr,
+                      ITERS: tl.constexpr):
+        """Per kv head: the k best of the chunks' candidates (NC * KP, in page order: the first NP, then a tail of
+        NT) -> pages (ascending, the lowest-scored last), their scores, and how many of prev are among them."""
+        h = tl.program_id(0)
+        i = tl.arange(0, NP)
+        i2 = NP + tl.arange(0, NT)
+        at = cand + h * s_ch + (i // KP) * 2 * KP + i % KP     # candidate i: chunk i // KP, place i % KP
+        at2 = cand + h * s_ch + (i2 // KP) * 2 * KP + i2 % KP
+        key = tl.load(at, mask=i < NC * KP, other=-1)
+        key2 = tl.load(at2, mask=i2 < NC * KP, other=-1)
+        lo, sel, sel2, last, last2 = _kth(key, key2, k, HI, ITERS, True)
+        j = tl.arange(0, KP)                                    # kept: read prev before pages (maybe prev) is written
+        n_live = tl.minimum(tl.load(live), n)
+        pv = tl.load(prev + h * s_vh + j, mask=j < k, other=0)
+        pk = tl.load(scores + h * s_xh + pv, mask=(j < k) & (pv >= 0) & (pv < n_live), other=-1.0).to(
+            tl.int32, bitcast=True)
+        tl.store(kept + h, tl.sum(((pk >= lo) & (j < k)).to(tl.int32), 0))
+        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+        pos2 = tl.cumsum(sel2.to(tl.int32), 0) - 1 + tl.sum(sel.to(tl.int32), 0)
+        _put(pages, out_scores, h * s_ph, h * s_oh, pos, tl.load(at + KP, mask=sel | last, other=0), key, sel,
+             last, k)
+        _put(pages, out_scores, h * s_ph, h * s_oh, pos2, tl.load(at2 + KP, mask=sel2 | last2, other=0), key2,
+             sel2, last2, k)
+
+    @triton.jit
+    def _kth(key, key2, k, HI: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr):
+        """Keys (int32 bits of non-negative floats; negative: never taken) in two parts (TWO; else key2 is not
+        read) -> the k-th largest, by bisection on the bits, and which keys are taken: those above it and the
+        first r equal to it, in order (r makes k in all), the r-th (`last`) apart. Fewer than k keys >= 0: every
+        one of them."""
         one = 0x3F800000
-        lo = tl.where(_count(key, key2, one) >= k, one, 0)
+        lo = tl.where(_count(key, key2, one, TWO) >= k, one, 0)
         hi = HI                                                 # count(key >= lo) >= k > count(key >= hi)
         for _ in range(ITERS):
             mid = lo + (hi - lo) // 2
-            cnt = _count(key, key2, mid)
+            cnt = _count(key, key2, mid, TWO)
             lo = tl.where(cnt >= k, mid, lo)
             hi = tl.where(cnt >= k, hi, mid)
-        j = tl.arange(0, KP)                                    # kept: read prev before pages (maybe prev) is written
-        pv = tl.load(prev + h * s_vh + j, mask=j < k, other=0)
-        pk = tl.load(scores + h * s_sh + pv, mask=(j < k) & (pv >= 0) & (pv < n), other=-1.0).to(tl.int32,
-                                                                                                   bitcast=True)
-        tl.store(kept + h, tl.sum(((pk >= lo) & (j < k)).to(tl.int32), 0))
-        r = k - _count(key, key2, lo + 1)                       # the first r keys equal to lo (by page) are in
-        tie = (key == lo) & (p < n)
-        tie2 = (key2 == lo) & (p2 < n)
+        r = k - _count(key, key2, lo + 1, TWO)
+        tie = key == lo
+        tie2 = key2 == lo
         rank = tl.cumsum(tie.to(tl.int32), 0) - 1
         rank2 = tl.cumsum(tie2.to(tl.int32), 0) - 1 + tl.sum(tie.to(tl.int32), 0)
-        last = tie & (rank == r - 1)                            # the lowest-scored chosen page: the last slot
+        last = tie & (rank == r - 1)
         last2 = tie2 & (rank2 == r - 1)
-        sel = ((key > lo) | (tie & (rank < r))) & ~last & (p < n)
-        sel2 = ((key2 > lo) | (tie2 & (rank2 < r))) & ~last2 & (p2 < n)
-        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
-        pos2 = tl.cumsum(sel2.to(tl.int32), 0) - 1 + tl.sum(sel.to(tl.int32), 0)
-        _put(pages, out_scores, h * s_ph, h * s_oh, pos, p, key, sel, last, k)
-        _put(pages, out_scores, h * s_ph, h * s_oh, pos2, p2, key2, sel2, last2, k)
+        sel = ((key > lo) | (tie & (rank < r))) & ~last
+        sel2 = ((key2 > lo) | (tie2 & (rank2 < r))) & ~last2
+        return lo, sel, sel2, last, last2
 
     @triton.jit
-    def _count(key, key2, x):
-        """How many of the head's keys (both parts) are >= x."""
-        return tl.sum((key >= x).to(tl.int32), 0) + tl.sum((key2 >= x).to(tl.int32), 0)
+    def _count(key, key2, x, TWO: tl.constexpr):
+        """How many of the keys (both parts, or the first) are >= x."""
+        if TWO:
+            return tl.sum((key >= x).to(tl.int32), 0) + tl.sum((key2 >= x).to(tl.int32), 0)
+        return tl.sum((key >= x).to(tl.int32), 0)
 
     @triton.jit
     def _put(pages, out_scores, at_p, at_o, pos, p, key, sel, last, k):
@@ -196,15 +239,24 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
         pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
         return
     hkv, g, n = b.shape
-    np2 = 1 << (max(n, 16).bit_length() - 1)                           # the largest power of two <= n (and 16)
-    nt = triton.next_power_of_2(max(n - np2, 16))                      # the tail after it (masked where empty)
+    nc, kp = triton.cdiv(n, CHUNK), triton.next_power_of_2(k)
+    total = nc * kp                                                    # the candidates a head merges
+    np2 = 1 << (total.bit_length() - 1)                                # the largest power of two <= total
+    nt = triton.next_power_of_2(max(total - np2, 16))                  # the tail after it (masked where empty)
     hi = struct.unpack("<i", struct.pack("<f", g + 1.5))[0]               # above any key (scores sum to <= G)
+    iters = (hi - 0x3F800000).bit_length()
+    gp = triton.next_power_of_2(g)
     live = torch.full((), n, dtype=torch.long, device=b.device) if live is None else live
-    _choose_kernel[(hkv,)](b, scratch, pages, scores, prev, kept, live, n, k, scale, b.stride(0), b.stride(1),
-                           scratch.stride(0), pages.stride(0), scores.stride(0), prev.stride(0), G=g,
-                           GP=triton.next_power_of_2(g), C=CHUNK, KP=triton.next_power_of_2(k), NP=np2, NT=nt,
-                           N1=max(np2 // 4, 16), N2=max(np2 // 16, 16), HI=hi, ITERS=(hi - 0x3F800000).bit_length(),
-                           num_warps=8 if np2 <= 8192 else 16)
+    stats = torch.empty(hkv, nc, 2, gp, dtype=torch.float32, device=b.device)
+    cand = torch.empty(hkv, nc, 2, kp, dtype=torch.int32, device=b.device)       # (key, page) per chunk
+    _stats_kernel[(hkv, nc)](b, stats, live, n, scale, b.stride(0), b.stride(1), stats.stride(0), stats.stride(1),
+                             G=g, GP=gp, C=CHUNK, num_warps=4)
+    _chunk_kernel[(hkv, nc)](b, stats, scratch, cand, live, n, k, scale, b.stride(0), b.stride(1), stats.stride(0),
+                             stats.stride(1), cand.stride(0), cand.stride(1), scratch.stride(0), G=g, GP=gp, C=CHUNK,
+                             NC=nc, NCP=triton.next_power_of_2(nc), KP=kp, HI=hi, ITERS=iters, num_warps=4)
+    _merge_kernel[(hkv,)](cand, scratch, pages, scores, prev, kept, live, n, k, cand.stride(0), scratch.stride(0),
+                          pages.stride(0), scores.stride(0), prev.stride(0), NC=nc, KP=kp, NP=np2, NT=nt, HI=hi,
+                          ITERS=iters, num_warps=4)
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,

@@ -23,8 +23,8 @@ def _bounds(hkv, g, n, seed):
     return b.masked_fill_(~valid, float("-inf")).to(DEV), valid
 
 
-@pytest.mark.parametrize("hkv,g,n,k", [(2, 3, 300, 7), (1, 4, 2100, 64), (3, 1, 80, 28),   # n > CHUNK: three loops
-                                     (2, 4, 8200, 128)])                      # 16384 keys a head, 16 warps
+@pytest.mark.parametrize("hkv,g,n,k", [(2, 3, 300, 7), (1, 4, 2100, 64), (3, 1, 80, 28),   # 2100: 5 chunks
+                                     (2, 4, 8200, 128)])                      # 17 chunks of 512 pages
 def test_choice_kernel_equals_reference(hkv, g, n, k):
     b, valid = _bounds(hkv, g, n, seed=n)
     prev = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(h))[:k] for h in range(hkv)]).to(DEV)
@@ -42,8 +42,8 @@ def test_choice_kernel_equals_reference(hkv, g, n, k):
 @pytest.mark.parametrize("k", [12, 6])                              # the cut among the tail's ties, or before them
 @pytest.mark.parametrize("n", [300, 8200])
 def test_choice_kernel_takes_equal_scores_in_page_order(n, k):
-    """Pages with equal scores on both sides of the kernel's split of the keys (the first power of two, then the
-    tail): the ones cut at the k-th score are taken in page order, the last taken goes last."""
+    """Pages with equal scores in several chunks (8200 pages: 17 chunks of 512, the last one's candidates in the
+    merge's tail): the ones cut at the k-th score are taken in page order, the last taken goes last."""
     hkv, g = 1, 2
     b = torch.full((hkv, g, n), -30.0)
     tied = torch.tensor([3, 40, 200, 255, 256, 257, n - 20, n - 9, n - 6, n - 4])       # (n - 3.. are not pages)
@@ -60,7 +60,7 @@ def test_choice_kernel_takes_equal_scores_in_page_order(n, k):
     assert pages[0].tolist() == sorted([7, 100, 260] + take[:-1]) + [take[-1]]
 
 
-@pytest.mark.parametrize("live", [300, 1500, 8190])   # each size of the kernel's register-held keys (n 8200)
+@pytest.mark.parametrize("live", [300, 1500, 8190])   # one chunk, three, all 17 (n 8200)
 def test_choice_kernel_reads_only_the_live_pages(live):
     """A graph captured for max_model_len's pages chooses among the sequence's first `live` pages only: the same
     choice as the reference over those pages, whatever the pages after them hold (garbage from other steps)."""
