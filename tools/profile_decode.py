@@ -52,8 +52,9 @@ def main() -> None:
                    "trace (every step timed): each layer's compute span and its wait for copies, and the copy lane's "
                    "spans (where the step's time goes, layer by layer)")
     p.add_argument("--wall", action="store_true", help="each steady step's wall time (median, min, each step) and "
-                   "when the host was done issuing its layers (the model's last layer left the runner): a host done "
-                   "early means the GPU's own chain sets the pace")
+                   "when the host was done issuing its first layer (the GPU idles until then: the previous step "
+                   "ended in a sync) and all of them (the model's last layer left the runner): a host done early "
+                   "means the GPU's own chain sets the pace")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode,
@@ -200,24 +201,35 @@ def wall_report(llm, steps: int) -> None:
     import time
 
     from engine.offload.runner import OffloadRunner
+    from engine.step import StepContext
     issued: list[float] = []
-    logits = OffloadRunner._logits
+    first: list[float] = []
+    logits, layer_done = OffloadRunner._logits, StepContext.layer_done
 
     def timed_logits(self, *args, **kw):           # the layer loop has been issued when the logits are
         issued.append(time.perf_counter())
         return logits(self, *args, **kw)
-    OffloadRunner._logits = timed_logits
-    walls, hosts = [], []
+
+    def timed_layer_done(self, done, total):       # the first layer has been issued
+        if done == 1:
+            first.append(time.perf_counter())
+        return layer_done(self, done, total)
+    OffloadRunner._logits, StepContext.layer_done = timed_logits, timed_layer_done
+    walls, hosts, starts = [], [], []
     for _ in range(steps):
         issued.clear()
+        first.clear()
         t0 = time.perf_counter()
         llm.step()
         walls.append((time.perf_counter() - t0) * 1e3)
         hosts.append((issued[0] - t0) * 1e3 if issued else float("nan"))
-    OffloadRunner._logits = logits
+        starts.append((first[0] - t0) * 1e3 if first else float("nan"))
+    OffloadRunner._logits, StepContext.layer_done = logits, layer_done
     h2d = llm.runner.last_step_bytes[0] / 1e6
     print(f"{steps} steady steps: {statistics.median(walls):.2f} ms/step (median; min {min(walls):.2f}); the host done "
-          f"issuing the layers after {statistics.median(hosts):.2f} ms (median); H2D {h2d:.1f} MB in the last step")
+          f"issuing the first layer after {statistics.median(starts):.2f} ms and all of them after "
+          f"{statistics.median(hosts):.2f} ms (medians; before its first layer the GPU waits on the host); H2D "
+          f"{h2d:.1f} MB in the last step")
     print("  each step (ms):", " ".join(f"{w:.1f}" for w in walls))
     st = llm.runner.policy.stats()
     if "fetched_pages_per_step" in st:
