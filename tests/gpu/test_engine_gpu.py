@@ -21,7 +21,10 @@ def test_memory_sizing_and_graphs(llm):
 
 
 def test_graph_decode_equals_eager_decode(llm):
-    """Replaying the captured graph gives the logits of running the same step eagerly."""
+    """Replaying the captured graph gives the logits of running the same step eagerly: each row within 5% of the
+    eager row's norm. (An element-wise bound of 2e-2 failed in one of three runs of random prompts on an H100: bf16
+    logits through 36 layers of random weights differ in a few elements when two runs' kernels or their order of
+    sums differ; a capture that replays stale inputs or buffers is off by about the whole norm.)"""
     from engine.sequence import Sequence
     from engine.step import StepContext
     seqs = [Sequence(torch.randint(0, 1000, (n,)).tolist(), SamplingParams(), llm.config.kv_block_size)
@@ -40,7 +43,8 @@ def test_graph_decode_equals_eager_decode(llm):
         llm.runner.graphs = saved
         for s in seqs:
             llm.block_manager.deallocate(s)
-    torch.testing.assert_close(graphs, eager, atol=2e-2, rtol=2e-2)
+    rel = (graphs - eager).norm(dim=-1) / eager.norm(dim=-1)
+    assert (rel < 0.05).all(), rel.tolist()
 
 
 def test_generate_batched_and_prefix_cache(llm):
