@@ -13,9 +13,9 @@ the rest.
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors: hidden state and residual (updated in place layer after layer) and rotary cos/sin,
-which one more graph makes from the step's token and position (`begin_token`), and per layout a [3] meta row (block and offset of the new token in the
-buffer, the context length the attention sees): row 0 for buffers holding whole blocks, row 1 for buffers
-packed by a row gather. A meta row is staged through a small ring of pinned host rows and copied with
+which one more graph makes from the step's token and position (`begin_token`), and per layout a [3] meta row
+(block and offset of the new token in the buffer, the context length the attention sees): row 0 for buffers
+holding whole blocks, row 1 for buffers packed by a row gather. A meta row is staged through a small ring of pinned host rows and copied with
 non_blocking=True: no host sync in the layer loop. q comes out in a static tensor.
 """
 from __future__ import annotations
