@@ -12,7 +12,7 @@ k best of those candidates. A choice finds the k-th largest score by bisection o
 registers, and takes the pages tied at it in page order. One program per kv head holding all 8,196 pages of a 128K
 context took 38 µs alone and 49 µs in a decode step on an H100 (8 of 132 SMs busy): the chunks spread it
 (alone, CUDA graph replays, 8 kv heads of 4 query heads, 125 pages: 8,196 pages 39.1 -> 23.5 µs; a 32K context's
-2,044 pages 16.8 -> 20.7 µs, the same under a 128K limit 18.6 -> 23.0 µs).
+2,044 pages 16.8 -> 20.6 µs, the same under a 128K limit 18.6 -> 23.6 µs).
 Its work follows the sequence's pages (`live`, a device scalar), not the `max_model_len` its graph was made for.
 
 `correct(new, slots, page_ids, base, n_rows, page_size)`: a buffer's packed slots [Hkv, k] (the page each holds,
