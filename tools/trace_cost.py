@@ -5,8 +5,8 @@
 
 Variants (the order rotates every round, each turn a fresh random prompt):
   plain   no recorder
-  live    the app's recorder (TraceRecorder.live: a per-layer timeline LIVE_DETAIL_HZ times a second, on CUDA in the
-          offload modes OFFLOAD_DETAIL_HZ)
+  live    the app's recorder (TraceRecorder.live: a per-layer timeline LIVE_DETAIL_HZ times a second; on a CPU and
+          in the offload modes on CUDA LOW_DETAIL_HZ)
   lean    the same recorder with no per-layer timeline in decode (metrics, picks, host spans only)
   full    a timeline in every step
 Per variant, medians over turns: the turn's decode ms/token as `generate` reports it (first to last token), the

@@ -35,15 +35,18 @@ PHASES = (PREFILL, DECODE, LOAD, TOKENIZE)
 # How often a live view gets a decode step's per-layer timeline: TraceRecorder(detail_hz=). Ten new timelines a
 # second are more than a reader follows; each costs the engine its events (see engine/trace/recorder.py).
 LIVE_DETAIL_HZ = 10.0
-# ... in the offload modes on a GPU, where the window redraws about 1.5 times a second (app/telemetry.py,
-# gui_budget) and the engine's decode is a Python loop on one host core: reading a timed layerwise step's ~330
-# events took ~2.6 ms of that core (H100, the default model), ~3% of the turn at ten a second.
-OFFLOAD_DETAIL_HZ = 3.0
+# ... where the window draws little and the engine's host work is what sets its pace: in the offload modes on a GPU
+# (about 1.5 draws a second, app/telemetry.py's gui_budget; their decode is a Python loop on one host core, and
+# reading a timed layerwise step's ~330 events took ~2.6 ms of it: H100, the default model, ~3% of the turn at ten
+# a second), and on a CPU (about one draw a second where the engine's threads take every core; every decode step
+# of the default model, ~0.15 s, was timed at ten a second, and watching cost its layerwise decode 1.10-1.13x).
+LOW_DETAIL_HZ = 3.0
 
 
 def live_detail_hz(device: str, mode: str) -> float:
     """The live views' timeline rate for an engine on `device` in `mode`."""
-    return OFFLOAD_DETAIL_HZ if str(device).startswith("cuda") and mode in ("layerwise", "chunked") else LIVE_DETAIL_HZ
+    few_draws = not str(device).startswith("cuda") or mode in ("layerwise", "chunked")
+    return LOW_DETAIL_HZ if few_draws else LIVE_DETAIL_HZ
 
 
 @dataclass(slots=True)

@@ -136,7 +136,7 @@ class TraceRecorder(Recorder):
     def live(cls, device=None, on_step: Callable[[StepTrace], None] | None = None, max_steps: int = 512,
              mode: str = "gpu") -> "TraceRecorder":
         """A recorder as the app's views use it: a decode step's per-layer timeline at their redraw rate
-        (`live_detail_hz`: LIVE_DETAIL_HZ, or OFFLOAD_DETAIL_HZ for an engine in an offload `mode` on CUDA), every
+        (`live_detail_hz`: LIVE_DETAIL_HZ, or LOW_DETAIL_HZ on a CPU and in the offload modes on CUDA), every
         step's figures. The tools that measure what watching costs take this one too."""
         return cls(max_steps=max_steps, device=device, on_step=on_step,
                    detail_hz=live_detail_hz(str(device if device is not None else "cpu"), mode))
