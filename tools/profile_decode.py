@@ -45,9 +45,9 @@ def main() -> None:
     p.add_argument("--python", action="store_true", help="cProfile the host side instead (python functions)")
     p.add_argument("--syncs", action="store_true", help="count host syncs and pageable copies per step, in and out "
                    "of the layer loop")
-    p.add_argument("--split", action="store_true", help="GPU time per step by what launched it: the policy's scoring "
-                   "and selection, the row gathers (loads and corrections), attention, the rest; and the step's wall "
-                   "time")
+    p.add_argument("--split", action="store_true", help="GPU time per step by part, from the kernels' names: the "
+                   "policy's scoring and selection, the row gathers (loads and corrections), attention, the GEMVs, the "
+                   "rest; the step's host-to-device bytes at PCIe's pace (the copy floor); and the step's wall time")
     p.add_argument("--layers", action="store_true", help="one steady step's timeline per layer, from the engine's own "
                    "trace (every step timed): each layer's compute span and its wait for copies, and the copy lane's "
                    "spans (where the step's time goes, layer by layer)")
@@ -106,7 +106,7 @@ def main() -> None:
         if a.syncs:
             sync_report(prof, a.steps)
         if a.split:
-            split_report(prof, a.steps, wall_ms)
+            split_report(prof, a.steps, wall_ms, getattr(llm.runner, "last_step_bytes", (0, 0))[0])
         return
     with profile(activities=acts) as prof:
         for _ in range(a.steps):
@@ -225,13 +225,13 @@ def wall_report(llm, steps: int) -> None:
         hosts.append((issued[0] - t0) * 1e3 if issued else float("nan"))
         starts.append((first[0] - t0) * 1e3 if first else float("nan"))
     OffloadRunner._logits, StepContext.layer_done = logits, layer_done
-    h2d = llm.runner.last_step_bytes[0] / 1e6
+    h2d = getattr(llm.runner, "last_step_bytes", (0, 0))[0] / 1e6       # (gpu mode: none)
     print(f"{steps} steady steps: {statistics.median(walls):.2f} ms/step (median; min {min(walls):.2f}); the host done "
           f"issuing the first layer after {statistics.median(starts):.2f} ms and all of them after "
           f"{statistics.median(hosts):.2f} ms (medians; before its first layer the GPU waits on the host); H2D "
           f"{h2d:.1f} MB in the last step")
     print("  each step (ms):", " ".join(f"{w:.1f}" for w in walls))
-    st = llm.runner.policy.stats()
+    st = llm.runner.policy.stats() if llm.runner.policy is not None else {}
     if "fetched_pages_per_step" in st:
         print(f"  per sparse layer and kv head, of {st['pages_per_head']} pages: the correction fetched "
               f"{st['fetched_pages_per_step']:.1f}, the guess one layer ahead {st['fetched_ahead_pages_per_step']:.1f}"
@@ -263,26 +263,42 @@ def layer_report(steps) -> None:
     print("sum   " + "".join(f"{total[k] / 1e3:11.2f} ms" for k in kinds))
 
 
-def split_report(prof, steps: int, wall_ms: float) -> None:
-    """Each GPU kernel's (and copy's) time, by the innermost PARTS range around the op that launched it."""
-    parts = [name for name, _ in PARTS]
+# the split's parts, by kernel name (CUDA graph replays give the profiler no Python ranges to attribute by):
+# (part, name fragments); a kernel counts for the first part one of whose fragments its name holds
+KERNEL_PARTS = (("score (page bounds, sketch)", ("_page_bounds_kernel", "_sketch_scores_kernel")),
+                ("select + correction", ("_stats_kernel", "_chunk_kernel", "_merge_kernel", "_correct_kernel")),
+                ("gather / copy (loads, corrections)", ("_gather_rows_kernel", "Memcpy HtoD")),
+                ("attention", ("_split_kernel", "_reduce_kernel", "flash", "fmha", "attention", "_vs_kernel",
+                               "_bs_kernel")),
+                ("projections and MLP (GEMVs)", ("_gemv_kernel", "gemv", "nvjet", "gemm", "splitKreduce")))
+PCIE_GBS = 53.5   # the H100 machine's pinned host-to-device copy pace, 1 GiB (DESIGN.md)
 
-    def where(e) -> str:
-        for lab in _labels(e):
-            if lab[len("kvscope: "):] in parts:
-                return lab[len("kvscope: "):]
-        return "the rest (projections, MLP, norms, copies)"
 
+def split_report(prof, steps: int, wall_ms: float, h2d_bytes: int) -> None:
+    """Each GPU kernel's (and copy's) time per step by part (KERNEL_PARTS), the compute stream's busy time, and the
+    step's host-to-device bytes at PCIe's pace: the copy floor."""
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     totals: dict[str, float] = {}
-    for e in prof.events():
-        for k in getattr(e, "kernels", []):
-            totals[where(e)] = totals.get(where(e), 0.0) + k.duration / 1e3   # µs -> ms
+    streams: dict = {}
+    for e in ops:
+        part = next((name for name, frags in KERNEL_PARTS if any(f in e["name"] for f in frags)),
+                    "the rest (norms, rotary, small copies)")
+        totals[part] = totals.get(part, 0.0) + e["dur"] / 1e3                   # µs -> ms
+        streams[e["tid"]] = streams.get(e["tid"], 0.0) + e["dur"] / 1e3
+    busiest = max(streams.values(), default=0.0)
     print(f"per decode step over {steps} steps: {wall_ms:.2f} ms/token unprofiled; GPU busy (kernels and copies, all "
-          f"streams) {sum(totals.values()) / steps:.2f} ms")
+          f"streams) {sum(totals.values()) / steps:.2f} ms, the busiest stream {busiest / steps:.2f} ms")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {name:45} {ms / steps:8.3f} ms")
-    print("  (the copy stream's gathers overlap the compute; inside a CUDA graph (no --eager) the parts that run in "
-          "one replay count for the part that replays it)")
+    print(f"  host-to-device {h2d_bytes / 1e6:.1f} MB in the last step: {h2d_bytes / PCIE_GBS / 1e6:.2f} ms at "
+          f"{PCIE_GBS:g} GB/s (the copy floor)")
 
 
 if __name__ == "__main__":

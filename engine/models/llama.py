@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.registry import ModelArgs
@@ -34,8 +35,8 @@ class Attention(nn.Module):
         super().__init__()
         self.nq, self.nkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
         self.scale = default_scale(self.d)
-        self.qkv_proj = nn.Linear(a.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=a.attention_bias)
-        self.o_proj = nn.Linear(self.nq * self.d, a.hidden_size, bias=False)
+        self.qkv_proj = Linear(a.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=a.attention_bias)
+        self.o_proj = Linear(self.nq * self.d, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
 
@@ -53,8 +54,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -121,7 +122,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.layer_names = [f"layer {i}" for i in range(a.num_layers)]
