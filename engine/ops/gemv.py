@@ -5,8 +5,9 @@ of the H100's ~3.35 (bf16, weights out of L2: qkv 6144x2560 14.7 us, o 2560x4096
 down 2560x9728 22.8, the 151936x2560 head 273; some as split-K with a second reduce kernel). This kernel gives each
 program BN rows and walks their K columns in BK-wide tiles, accumulating x * w in float32 and summing once at the
 end: 12.9 / 9.6 / 34.3 / 21.0 / 246 us there, and 2.3-2.7 us against 3.6-5.3 on the default model's small shapes
-(`.devrun`-style scratch sweep, CUDA graph replays over enough weight copies to miss L2). `linear` picks it for
-one row on CUDA; everything else (prefill, the CPU) stays `F.linear`. `gemv_reference` is the math in torch.
+(a scratch sweep of tile shapes, warps and stages: CUDA graph replays cycling through enough weight copies to miss
+L2). `linear` picks it for one row on CUDA; everything else (prefill, the CPU) stays `F.linear`. `gemv_reference`
+is the math in torch.
 """
 import torch
 import torch.nn.functional as F
