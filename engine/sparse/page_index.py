@@ -78,9 +78,11 @@ class KeySketch:
 
     def __init__(self, rank: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device, kernels: bool = False):
-        """A key's row: its host block * block_size + its offset (the host pool's token rows)."""
+        """A key's row: its host block * block_size + its offset (the host pool's token rows). Stored head-major
+        ([layer, Hkv, row, r]: a page's keys of one head are one contiguous run, which the score kernel reads per
+        head; row-major, each row's r values of a head lay Hkv * r apart) and used as [row, Hkv, r] (`rows`)."""
         self.rank, self.page_size, self.block_size, self.kernels = min(rank, head_dim), page_size, block_size, kernels
-        self.keys = torch.zeros(num_layers, num_blocks * block_size, num_kv_heads, self.rank, dtype=dtype,
+        self.keys = torch.zeros(num_layers, num_kv_heads, num_blocks * block_size, self.rank, dtype=dtype,
                                 device=device)
         self.basis = torch.zeros(num_layers, num_kv_heads, head_dim, self.rank, dtype=dtype, device=device)
         self.pending: list[list | None] = [[] for _ in range(num_layers)]   # (row, keys) before the basis; None after
@@ -133,9 +135,13 @@ class KeySketch:
     def _put(self, layer: int, rows: int | torch.Tensor, projected: torch.Tensor) -> None:
         """projected keys [n, Hkv, r] into `rows` (the first of n in a row, or one each)."""
         if isinstance(rows, int):
-            self.keys[layer, rows:rows + projected.shape[0]] = projected
+            self.rows(layer)[rows:rows + projected.shape[0]] = projected
         else:
-            self.keys[layer].index_copy_(0, rows, projected)
+            self.rows(layer).index_copy_(0, rows, projected)
+
+    def rows(self, layer: int) -> torch.Tensor:
+        """The layer's projected keys as [pool row, Hkv, r] (a view)."""
+        return self.keys[layer].transpose(0, 1)
 
     def scores(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,
                live: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,7 +150,7 @@ class KeySketch:
         self.prepare(layer)                                                       # (direct calls: eager)
         hkv, d, _ = self.basis.shape[1:]
         qr = q.reshape(hkv, -1, d).to(self.basis.dtype) @ self.basis[layer]    # [Hkv, G, r]
-        return sketch_scores(self.keys[layer], qr, pages, valid, self.page_size, self.kernels, live)
+        return sketch_scores(self.rows(layer), qr, pages, valid, self.page_size, self.kernels, live)
 
 
 def leading_directions(m: torch.Tensor, r: int, passes: int = 24) -> torch.Tensor:

@@ -54,10 +54,13 @@ def test_bound_is_at_least_every_key_of_the_page():
 
 @pytest.mark.parametrize("hkv,g,r,ps", [(2, 3, 8, 4), (2, 4, 12, 16), (1, 1, 32, 8)])   # 12: r not a power of two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sketch_kernel_equals_reference_and_the_best_token(hkv, g, r, ps, dtype):
+@pytest.mark.parametrize("head_major", [False, True])    # True: KeySketch's storage, [Hkv, row, r] seen as [row, Hkv, r]
+def test_sketch_kernel_equals_reference_and_the_best_token(hkv, g, r, ps, dtype, head_major):
     gen = torch.Generator().manual_seed(7)
     pool_pages = 40
     keys = torch.randn(pool_pages * ps, hkv, r, generator=gen).to(DEV, dtype)
+    if head_major:
+        keys = keys.transpose(0, 1).contiguous().transpose(0, 1)
     qr = torch.randn(hkv, g, r, generator=gen).to(DEV, dtype)
     pages = torch.randperm(pool_pages, generator=gen)[:35].to(DEV)       # 35: a ragged last program (16 pages each)
     valid = (torch.rand(35, generator=gen) < 0.8).to(DEV)
