@@ -64,8 +64,10 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
     A (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the diagonal
     block) is two attentions merged by their log-sum-exp: its earlier kept keys, gathered ([n, D], padding
     masked by one row: every row sees them all, so no per-row mask), and its own keys, causal. All heads' blocks
-    go in one list sorted by count and cut in batches, so little is padded and a layer makes a few calls. Any
-    other block (the ragged last one, a pattern without the newest diagonal) gets its exact [rows, n] mask."""
+    go in one list sorted by count and cut in batches, so little is padded and a layer makes a few calls. The
+    ragged last block goes with them, its rows padded to a whole block (a padded row sees only its own padded keys,
+    causally, and is dropped). Any other block (a pattern without the newest diagonal) gets its exact [rows, n]
+    mask."""
     (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
     g, nqb, dev = hq // hkv, keep.shape[1], q.device
     off, ninf = tk - tq, float("-inf")
@@ -78,9 +80,9 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
     counts = keep.sum(dim=-1)                                                               # [Hq, nQB]
     own_pos = off + torch.arange(nqb, device=dev)[:, None] * block + torch.arange(block, device=dev)  # [nQB, B]
     own_kept = keep.gather(2, own_pos.clamp(max=tk - 1)[None].expand(hq, -1, -1)).all(dim=-1)      # [Hq, nQB]
-    split = own_kept & (rows == block)[None]
+    split = own_kept
     hs, ms = split.nonzero(as_tuple=True)
-    earlier = counts[hs, ms] - block
+    earlier = counts[hs, ms] - rows[ms]                                # (a block's own kept keys: its rows)
     order = earlier.argsort()
     hs, ms, earlier = hs[order], ms[order], earlier[order]
     for a, b, n in _chunks(earlier.tolist(), block):
@@ -90,7 +92,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
             own = (base // block + off // block + m)
             ko, vo = (x.view(-1, block, d).index_select(0, own)[:, None] for x in (kf, vf))
         else:
-            own = (base[:, None] + own_pos[m]).flatten()
+            own = (base[:, None] + own_pos[m].clamp(max=tk)).flatten()         # (position tk: a zero pad)
             ko, vo = (x.index_select(0, own).view(-1, 1, block, d) for x in (kf, vf))
         o, lse = _flash(qb, ko, vo, scale, causal=True)
         if n > 0:
@@ -107,7 +109,8 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
             o2.nan_to_num_(0.0)
             o = torch.lerp(o, o2, torch.sigmoid(lse2 - lse)[..., None])           # = (o e^lse + o2 e^lse2) / sum
         out[h, m] = o[:, 0]
-    pairs.index_add_(0, hs, earlier * block + block * (block + 1) // 2)
+    r = rows[ms]
+    pairs.index_add_(0, hs, earlier * r + r * (r + 1) // 2)
     for h, m in (~split & (counts > 0)).nonzero().tolist():                              # exact mask, one block
         idx = kept_first(keep[h, m:m + 1], int(counts[h, m]), fill=span - 1)[1][0].long() + (h // g) * span
         mask = (idx[None] - (h // g) * span) <= own_pos[m][:, None]                         # pads never pass
