@@ -98,7 +98,8 @@ def main() -> None:
             llm.step()
         sync()
         wall_ms = (time.perf_counter() - t0) / a.steps * 1e3
-        label_calls()
+        if a.syncs:
+            label_calls()                          # (--split goes by kernel names, it needs no ranges)
         with profile(activities=acts) as prof:
             for _ in range(a.steps):
                 llm.step()
@@ -124,7 +125,8 @@ def main() -> None:
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LOOP = "kvscope: layer loop"
-# the split's parts: (label, [(module, owner, attribute), ...]); a kernel counts for the innermost label above it
+# the ranges --syncs labels its calls with: (label, [(module, owner, attribute), ...]); a call counts for the
+# innermost label above it (--split goes by kernel names: KERNEL_PARTS)
 PARTS = (("score (page bounds)", [("engine.sparse.quest", "QuestPolicy", "bounds")]),
          ("select + correction (policy)", [("engine.sparse.policy", "SparsePolicy", "observe_query"),
                                            ("engine.sparse.quest", "QuestPolicy", "observe_query"),

@@ -80,8 +80,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
     counts = keep.sum(dim=-1)                                                               # [Hq, nQB]
     own_pos = off + torch.arange(nqb, device=dev)[:, None] * block + torch.arange(block, device=dev)  # [nQB, B]
     own_kept = keep.gather(2, own_pos.clamp(max=tk - 1)[None].expand(hq, -1, -1)).all(dim=-1)      # [Hq, nQB]
-    split = own_kept
-    hs, ms = split.nonzero(as_tuple=True)
+    hs, ms = own_kept.nonzero(as_tuple=True)
     earlier = counts[hs, ms] - rows[ms]                                # (a block's own kept keys: its rows)
     order = earlier.argsort()
     hs, ms, earlier = hs[order], ms[order], earlier[order]
@@ -111,7 +110,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
         out[h, m] = o[:, 0]
     r = rows[ms]
     pairs.index_add_(0, hs, earlier * r + r * (r + 1) // 2)
-    for h, m in (~split & (counts > 0)).nonzero().tolist():                              # exact mask, one block
+    for h, m in (~own_kept & (counts > 0)).nonzero().tolist():                              # exact mask, one block
         idx = kept_first(keep[h, m:m + 1], int(counts[h, m]), fill=span - 1)[1][0].long() + (h // g) * span
         mask = (idx[None] - (h // g) * span) <= own_pos[m][:, None]                         # pads never pass
         out[h, m] = F.scaled_dot_product_attention(qa[h, m], kf[idx][None], vf[idx][None], attn_mask=mask[None],
