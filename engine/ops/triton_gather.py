@@ -85,7 +85,26 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_ro
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()       # a view of a plan: rows may be strided
     dst_rows = rows if dst_rows is None else dst_rows if dst_rows.stride(-1) == 1 else dst_rows.contiguous()
     chunks = hkv * triton.cdiv(n, ROWS) * 2
-    _gather_rows_kernel[(min(chunks, programs),)](
-        src, dst, rows, dst_rows, n, chunks, rows.stride(0), dst_rows.stride(0), *src.stride()[:4], *dst.stride()[:4],
-        BS=src.shape[3], R=ROWS, D=src.shape[4], HAS_DST=dst_rows is not rows, num_warps=4)
+    args = (src, dst, rows, dst_rows, n, chunks, rows.stride(0), dst_rows.stride(0), *src.stride()[:4],
+            *dst.stride()[:4], src.shape[3], ROWS, src.shape[4], dst_rows is not rows)
+    grid = (min(chunks, programs),)
+    key = (src.device, src.dtype, dst.dtype, rows.dtype, dst_rows.dtype, *(t.data_ptr() % 16 for t in args[:4]),
+           *args[6:])
+    kernel = _COMPILED.get(key)
+    if kernel is not None:
+        kernel[grid + (1, 1)](*args)             # (the compiled launcher takes all three grid sizes)
+        return
+    kernel = _gather_rows_kernel[grid](*args, num_warps=4)
+    if DIRECT_LAUNCH and hasattr(kernel, "__getitem__"):       # (not under the interpreter)
+        _COMPILED[key] = kernel
 
+
+# Compiled kernels by what they were specialized on (the pointers' 16-byte alignment, the dtypes, the strides, the
+# constants; n and chunks are not specialized on), launched directly from the second call on. A load at decode is
+# launched from Python every layer (34 a step at 128K on the Qwen3-4B shape), and the JIT's launch binds and
+# specializes every argument each time; a whole `gather_rows` call took 42-48 µs of host time on the H100's host.
+# The compiled kernel's own launcher takes the same arguments (all of them, constants included, in order) without
+# that work. That is how the JIT itself launches in Triton 3.6 and 3.9 (read in their source; run on the device's
+# 3.6): older versions, whose convention was not checked, take the JIT's path every time.
+DIRECT_LAUNCH = triton is not None and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
+_COMPILED: dict[tuple, object] = {}
