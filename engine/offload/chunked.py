@@ -158,13 +158,13 @@ class ChunkedRunner(OffloadRunner):
                     if off:
                         buf[cb].copy_(oe.dbuf[l])
                     new = (cb, off)
-                    graphs.run(l, slot, 0, (cb, off, end), between)
+                    graphs.run(l, slot, 0, (cb, off, end, off), between)
                 else:                            # planned rows, then the plan's newest tokens (the new one last)
                     n_rows = loads[l][1].shape[1]
                     self._copy_tokens(buf, n_rows, oe.dbuf[l], off + 1 - tails[l], off)
                     f = n_rows + tails[l] - 1
                     new = (f // bs, f % bs)
-                    graphs.run(l, slot, 1, (*new, f + 1), between)
+                    graphs.run(l, slot, 1, (*new, f + 1, off), between)
                 if off == 0:                     # a new block: its previous contents must have left for the host
                     wait_on(oe.dbuf_read[l], self.device, rec, l)
                 oe.dbuf[l][:, :, off].copy_(buf[new[0], :, :, new[1]])

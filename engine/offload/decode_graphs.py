@@ -13,9 +13,11 @@ the rest.
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors: hidden state and residual (updated in place layer after layer) and rotary cos/sin,
-which one more graph makes from the step's token and position (`begin_token`), and per layout a [3] meta row
-(block and offset of the new token in the buffer, the context length the attention sees): row 0 for buffers
-holding whole blocks, row 1 for buffers packed by a row gather. A meta row is staged through a small ring of pinned host rows and copied with
+which one more graph makes from the step's token and position (`begin_token`), and per layout a [4] meta row
+(block and offset of the new token in the buffer, the context length the attention sees, its offset in the layer's
+decode buffer): row 0 for buffers holding whole blocks, row 1 for buffers packed by a row gather. Given the decode
+buffers (`dbuf`, the layers' partly filled blocks), the graph also keeps the new token's K, V there: one copy
+launched from Python per layer fewer. A meta row is staged through a small ring of pinned host rows and copied with
 non_blocking=True: no host sync in the layer loop. q comes out in a static tensor.
 """
 from __future__ import annotations
@@ -33,13 +35,13 @@ INPUTS = (None, None, None, "inputs")   # the graph key of begin_token's (layer 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_views: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 table: torch.Tensor, chunk_tokens: int = 0):
+                 table: torch.Tensor, chunk_tokens: int = 0, dbuf: torch.Tensor | None = None):
         """kv_views(buf) -> K, V of a buffer as [blocks, offset, head, dim] views; table [1, blocks] int32 is the
-        identity block table of a buffer."""
+        identity block table of a buffer; dbuf [L, 2, Hkv, block_size, D]: the decode buffers (None: not kept here)."""
         a = model.args
         p = model.embed_tokens.weight
         dev, dt = p.device, p.dtype
-        self.model, self.kv_views, self.table, self.chunk = model, kv_views, table, chunk_tokens
+        self.model, self.kv_views, self.table, self.chunk, self.dbuf = model, kv_views, table, chunk_tokens, dbuf
         self.scale = model.layers[0].self_attn.scale
         self.h = torch.zeros(1, a.hidden_size, dtype=dt, device=dev)
         self.residual = torch.zeros_like(self.h)
@@ -47,9 +49,10 @@ class DecodeGraphs:
         self.sin = torch.zeros_like(self.cos)
         self.q = torch.zeros(1, a.num_heads, a.head_dim, dtype=dt, device=dev)
         self.q_next = torch.zeros_like(self.q)
-        self.meta = torch.zeros(2, 3, dtype=torch.long, device=dev)
+        self.meta = torch.zeros(2, 4, dtype=torch.long, device=dev)
         self.token_pos = torch.zeros(2, dtype=torch.long, device=dev)     # begin_token's: the step's token, position
-        self._staging = torch.zeros(STAGING_ROWS, 3, dtype=torch.long, pin_memory=True)
+        self._staging = torch.zeros(STAGING_ROWS, 4, dtype=torch.long, pin_memory=True)
+        self._staging_np = self._staging.numpy()    # (written through numpy: a tensor's item writes cost µs each)
         self._next_row = 0
         self._meta_now: list[tuple | None] = [None, None]    # what each meta row holds (host copy)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -60,26 +63,27 @@ class DecodeGraphs:
         """A new decode step from its token and position: one small copy through a pinned row, then one replay
         makes the static inputs (the token's embedding, a zero residual, rotary cos/sin), in place of ~15 launches
         from Python at the start of every step (measured on an H100's host: ~0.4 ms with the GPU idle)."""
-        row = self._stage((token, position, 0))
+        row = self._stage((token, position, 0, 0))
         self.token_pos.copy_(row[:2], non_blocking=True)
         self._replay(INPUTS)
 
-    def _stage(self, values: tuple[int, int, int]) -> torch.Tensor:
-        row = self._staging[self._next_row]
-        self._next_row = (self._next_row + 1) % STAGING_ROWS
-        row[0], row[1], row[2] = values
-        return row
+    def _stage(self, values: tuple[int, int, int, int]) -> torch.Tensor:
+        i = self._next_row
+        self._next_row = (i + 1) % STAGING_ROWS
+        self._staging_np[i] = values
+        return self._staging[i]
 
-    def _set_meta(self, v: int, values: tuple[int, int, int]) -> None:
+    def _set_meta(self, v: int, values: tuple[int, int, int, int]) -> None:
         if self._meta_now[v] != values:
             self.meta[v].copy_(self._stage(values), non_blocking=True)
             self._meta_now[v] = values
 
-    def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int],
+    def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int, int],
             between: Callable[[torch.Tensor], tuple[tuple, Callable[[], None]] | None] | None = None,
             ahead: bool = False) -> torch.Tensor:
         """Replay (capturing on first use) the layer's compute over buffer `buf` in layout v (0 whole blocks,
-        1 packed rows), the new token at (block, offset) = meta[:2] and meta[2] tokens attended. `between(q)`,
+        1 packed rows), the new token at (block, offset) = meta[:2], meta[2] tokens attended, the new token at
+        offset meta[3] of the layer's decode buffer (kept there when `dbuf` was given). `between(q)`,
         if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention; the work it
         may return, (tag, fn) with fn over static tensors that tag names (a correction's gather: the policy's
         tensors, new when the policy is), runs first in the attention's graph.
@@ -123,8 +127,14 @@ class DecodeGraphs:
         mod = self.model.layers[layer]
         if part in ("all", "pre", "guess"):
             slots = self.meta[v, :2, None]
-            q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin),
-                             lambda k, v_, a, b: store_kv(k, v_, K, V, slots), self.chunk)
+            keep = None if self.dbuf is None else self.dbuf[layer].transpose(1, 2)    # [2, block_size, Hkv, D]
+            at = self.meta[v, 3:4]
+
+            def store(k, v_, a, b):
+                store_kv(k, v_, K, V, slots)
+                if keep is not None:                                  # the decode buffer's copy of the new token
+                    keep[0][at], keep[1][at] = k, v_
+            q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin), store, self.chunk)
             self.q.copy_(q)
             if part == "guess" and layer + 1 < len(self.model.layers):
                 self.q_next.copy_(self.model.layers[layer + 1].query(self.residual, (self.cos, self.sin)))

@@ -41,7 +41,7 @@ class LayerwiseRunner(OffloadRunner):
         self._steps = 0  # ring positions continue across steps: streamed layer j of step k is at k * S + j
         self.table = torch.arange(self.max_blocks_per_seq, dtype=torch.int32, device=self.device)[None]
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
-        self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.chunk_tokens)
+        self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.chunk_tokens, oe.dbuf)
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key) if by rows
         return oe
@@ -111,7 +111,11 @@ class LayerwiseRunner(OffloadRunner):
                 if graphs is not None:               # decode: q out, h and residual in place
                     between = None if not looks else (
                         lambda q: self._observe(l, buf, q[0], ctx, lambda: graphs.q_next[0], defer=True))
-                    graphs.run(l, buf, int(packed is not None), (*new, context), between, policy.looks_ahead)
+                    if oe.dbuf_read[l] is not None:  # the graph writes the decode buffer: its last offload read it
+                        wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)
+                        oe.dbuf_read[l] = None
+                    graphs.run(l, buf, int(packed is not None), (*new, context, (end - 1) % bs), between,
+                               policy.looks_ahead)
                 else:
                     with rec.span(COMPUTE, "attention", l):
                         K, V = oe.kv_views(buf)
@@ -132,7 +136,7 @@ class LayerwiseRunner(OffloadRunner):
                     with rec.span(COMPUTE, "mlp", l):
                         layer.post_rows(o, h, residual, self.chunk_tokens)
                         del o
-                self._after_layer(seq, l, buf, packed, n_host, n_done, start, end, new)
+                self._after_layer(seq, l, buf, packed, n_host, n_done, start, end, new, kept=graphs is not None)
                 if marks:
                     mark = rec.mark()
                     rec.add_event_span(COMPUTE, model.layer_names[l], began, mark, l, slot=slot)
@@ -202,9 +206,9 @@ class LayerwiseRunner(OffloadRunner):
         v = b[:, 1].transpose(0, 1).reshape(hkv, -1, d)[:, :end]
         return self.policy.prefill_attention(q, k.transpose(0, 1), v.transpose(0, 1), l, self.scale, ctx)
 
-    def _after_layer(self, seq, l, buf, packed, n_host, n_done, start, end, new) -> None:
+    def _after_layer(self, seq, l, buf, packed, n_host, n_done, start, end, new, kept: bool = False) -> None:
         """Offload the blocks completed in this step, keep the partly filled one in the decode buffer (the policy
-        sees its keys)."""
+        sees its keys; `kept`: the layer's decode graph wrote the new token there already)."""
         oe, bs, policy = self.oe, self.block_size, self.policy
         table = seq.block_table
         if packed is None:
@@ -215,15 +219,17 @@ class LayerwiseRunner(OffloadRunner):
                     policy.on_kv_written(l, table[n_host:n_done], oe.buffers[buf][n_host:n_done, 0],
                                          max(0, start - n_host * bs), (n_done - n_host) * bs)
             if end % bs:                                                # the partly filled block stays here
-                wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)
-                oe.dbuf[l].copy_(oe.buffers[buf][n_done])
+                if not kept:
+                    wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)
+                    oe.dbuf[l].copy_(oe.buffers[buf][n_done])
                 if policy.plans_loads:
                     policy.on_kv_written(l, [table[n_done]], oe.dbuf[l][:1], max(0, start - n_done * bs), end % bs)
         else:                                                           # decode over packed rows: one new token
             partial = end - n_host * bs
-            if partial == 1:
-                wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)                  # the last block's offload has read it
-            oe.dbuf[l][:, :, partial - 1].copy_(oe.buffers[buf][new[0], :, :, new[1]])
+            if not kept:
+                if partial == 1:
+                    wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)   # the last block's offload has read it
+                oe.dbuf[l][:, :, partial - 1].copy_(oe.buffers[buf][new[0], :, :, new[1]])
             if policy.plans_loads:
                 policy.on_kv_written(l, [table[n_host]], oe.dbuf[l][:1], partial - 1, partial)
             if partial == bs:
