@@ -10,10 +10,11 @@ Engine code guards heavier work with `if recorder.enabled:`. `TraceRecorder` rec
 Timing. On CPU (device None or not CUDA), and always for the `host` lane, spans are timed with
 `time.perf_counter_ns()` on the thread that enters/exits them. On CUDA the other lanes record a pair of
 timing events on `stream` (or the current stream) and nothing else: no host sync per span. `end_step`
-records one end event on the current stream, synchronizes the device ONCE, reads the host clock
-(`t_end`), and anchors the GPU timeline there: every event is measured from the step-start event (recorded
-by `begin_step` on the current stream) with `elapsed_time`, and the latest of them (the end event, or a
-side stream's last event) is placed at `t_end`, since the sync returned when that work ended. The error of
+records one end event on the current stream (in a step without a timeline only if it copied arrays to the
+host), synchronizes the device ONCE, reads the host clock (`t_end`), and anchors the GPU timeline there:
+every event is measured from the step-start event (recorded by `begin_step` on the current stream) with
+`elapsed_time`, and the latest of them (the end event, or a side stream's last event) is placed at `t_end`,
+since the sync returned when that work ended. The error of
 the anchor is the wake-up latency of the sync (a few µs). `span()` must not be used inside CUDA-graph
 capture: record events there yourself and hand them over with `add_event_span`, resolved the same way.
 Timing events are pooled and reused from step to step. The reading is `engine/trace/event_clock.py`'s; in a step of
@@ -154,6 +155,7 @@ class TraceRecorder(Recorder):
         self._quest: list[QuestPick] = []
         self._quest_bulk: list[tuple] = []
         self._masks: list[tuple] = []          # mask_summaries' entries: a layer's masks each
+        self._grabbed = False                  # CUDA: arrays copied to the host asynchronously (read after an event)
 
     # ---------------------------------------------------------------- clock and events
     def now_us(self) -> float:
@@ -179,9 +181,11 @@ class TraceRecorder(Recorder):
             self._last_detail_us = now
         if self._nvtx is not None:                # (CUDA only) closed by end_step
             self._nvtx.range_push(f"{phase} {n_tokens} tok")
-        if self._cuda:
+        if self._cuda and self.detail:    # (a step without a timeline needs no stream: see end_step)
             self._stream = self._torch.cuda.current_stream(self._device)
-            self._clock = EventClock(self.mark()) if self.detail else None
+            self._clock = EventClock(self.mark())
+        elif self._cuda:
+            self._clock = None
         self._step_detail = self.detail
 
     def begin_part(self, i: int, n: int) -> None:
@@ -261,7 +265,7 @@ class TraceRecorder(Recorder):
     def quest_pick(self, layer: int, kv_head: int, blocks, scores, n_blocks: int, positions=None,
                    page_size: int = 0) -> None:
         """Arrays may be numpy or torch (CUDA tensors are copied asynchronously, read after end_step's sync)."""
-        c = self._cuda
+        c = self._grabbed = self._cuda
         with self._lock:
             self._quest.append(QuestPick(self._step_no, layer, kv_head, _grab(blocks, c), _grab(scores, c),
                                           int(n_blocks), None if positions is None else _grab(positions, c),
@@ -270,7 +274,7 @@ class TraceRecorder(Recorder):
     def quest_picks(self, layers: list[int], pages, scores, n_pages: list[int], positions, page_size: int) -> None:
         """A step's picks of several layers: pages, scores, positions [len(layers), Hkv, k], each to the host in one
         copy (async from CUDA); one QuestPick per (layer, kv head) when the step is read."""
-        c = self._cuda
+        c = self._grabbed = self._cuda
         with self._lock:
             self._quest_bulk.append((list(layers), _grab(pages, c), _grab(scores, c), list(n_pages),
                                      _grab(positions, c), int(page_size), self._step_no))
@@ -279,7 +283,7 @@ class TraceRecorder(Recorder):
         """A layer's masks, every head at once: vertical [Hq, NV] and slash [Hq, NS] (None: none), density [Hq],
         images [Hq, h, w] or None. One asynchronous copy each (CUDA), no host read: the step's end resolves them
         into one MaskSummary per head (a read per layer, or a copy per head, cost a sparse prefill 12-29%)."""
-        c = self._cuda
+        c = self._grabbed = self._cuda
         bulk = (layer, None if vertical is None else _grab(vertical, c), None if slash is None else _grab(slash, c),
                 int(n), _grab(density, c), None if images is None else _grab(images, c))
         with self._lock:
@@ -304,6 +308,7 @@ class TraceRecorder(Recorder):
             closing = [self._phase, self._n_tokens, self._step_no, self._t_begin, self._spans, self._pending,
                        self._slots, self._pending_slots, (self._quest, self._quest_bulk), self._masks,
                        metrics, self._owned, self._step_detail, self._windows if self._parts else None, None, None]
+            grabbed = self._grabbed
             self._reset_buffers()
         self._step_no += 1
         self._open = False
@@ -313,8 +318,10 @@ class TraceRecorder(Recorder):
         if self._nvtx is not None:                # the step's range ends here, also when its events are read later
             self._nvtx.range_pop()
         if self._cuda:
-            end = self._event()   # (async copies of picks are read after it, also in a step without detail)
-            end.record(self._stream)
+            end = None            # an event after the step's work where its timeline or async copies are read after it
+            if self._clock is not None or grabbed:
+                end = self._event()
+                end.record(self._stream if self._stream is not None else self._torch.cuda.current_stream(self._device))
             self._stream = None
             if not defer:
                 self._torch.cuda.synchronize(self._device)
@@ -340,9 +347,10 @@ class TraceRecorder(Recorder):
             slots += clock.slots
             self._pool.append(end[0])
         elif self._cuda:                      # no timeline: host clock; the end event guards the async copies
-            end[0].synchronize()
+            if end[0] is not None:
+                end[0].synchronize()
+                self._pool.append(end[0])
             t0, t1 = t_begin, end[1]
-            self._pool.append(end[0])
         else:
             t0, t1 = t_begin, self.now_us()
         self._pool += owned
