@@ -5,6 +5,7 @@
     python tools/profile_decode.py --shape qwen3-4b --ctx 131072 --policy quest --params '{"token_budget": 2048}' \
         --gpu-kv-budget 2.7 --layers                   # one steady step's timeline, per layer (CUDA events)
     python tools/profile_decode.py ... --wall --steps 24   # steady steps' wall time, and when the host is done issuing
+    python tools/profile_decode.py ... --wall --host       # and the host time per step of the layer loop's parts
     python tools/profile_decode.py --ctx 16384 --max-model-len 131072 ... --wall   # a short prompt, a long limit
 
 `--syncs` profiles the steps with Python stacks and counts, per decode step, the calls that block the host
@@ -13,6 +14,7 @@ from pageable memory, split into those made inside the layer loop (under the run
 (sampling reads the token once per step: that one is expected).
 """
 import argparse
+import contextlib
 import json
 
 import torch
@@ -55,6 +57,8 @@ def main() -> None:
                    "when the host was done issuing its first layer (the GPU idles until then: the previous step "
                    "ended in a sync) and all of them (the model's last layer left the runner): a host done early "
                    "means the GPU's own chain sets the pace")
+    p.add_argument("--host", action="store_true", help="with --wall: the host time per step of the layer loop's "
+                   "parts (HOST_PARTS), each timed around its call (inclusive, so nested parts count in both)")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode,
@@ -70,7 +74,9 @@ def main() -> None:
         llm.step()
     sync()
     if a.wall:
-        wall_report(llm, a.steps)
+        with host_timer(a.host) as host:
+            wall_report(llm, a.steps)
+        host(a.steps)
         return
     if a.layers:
         for _ in range(a.steps):
@@ -196,6 +202,52 @@ def sync_report(prof, steps: int) -> None:
           f"{counts[('pageable', False)] / steps:g}")
     for key, n in sorted(names.items(), key=lambda kv: -kv[1]):
         print(f"  {n / steps:g}/step  {key[0]}: {key[1]} ({key[2]}) {key[3]}")
+
+
+# the layer loop's parts --host times: (module, class, method); a part's time includes the parts it calls
+HOST_PARTS = [("engine.offload.layerwise", "LayerwiseRunner", m) for m in
+              ("forward", "_prefetch", "_load", "_observe", "_place_newest", "_after_layer")] + \
+             [("engine.offload.runner", "OffloadRunner", m) for m in ("_query_fix", "_logits")] + \
+             [("engine.sparse.quest", "QuestPolicy", m) for m in ("plan_load", "observe_query", "observe_ahead", "_run",
+                                                                  "on_kv_written", "end_step")] + \
+             [("engine.offload.offload_engine", "OffloadEngine", m) for m in ("load_rows", "ahead", "release")] + \
+             [("engine.offload.streams", "CopyStream", "copy"), ("engine.offload.decode_graphs", "DecodeGraphs", "run"),
+              ("engine.offload.decode_graphs", "DecodeGraphs", "_replay"), ("engine.ops.triton_gather", None, "gather_rows")]
+
+
+@contextlib.contextmanager
+def host_timer(on: bool):
+    """Wrap HOST_PARTS in timers while the block runs; yields report(steps) (prints ms per step and calls)."""
+    import importlib
+    import time
+    spent: dict[str, list] = {}
+    saved = []
+    for mod, owner, attr in HOST_PARTS if on else []:
+        m = importlib.import_module(mod)
+        o = getattr(m, owner) if owner else m
+        fn, acc = getattr(o, attr), spent.setdefault(f"{owner or mod}.{attr}", [0, 0])   # ns, calls
+
+        def timed(*args, _fn=fn, _acc=acc, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                _acc[0] += time.perf_counter_ns() - t0
+                _acc[1] += 1
+        saved.append((o, attr, fn))
+        setattr(o, attr, timed)
+
+    def report(steps: int) -> None:
+        if spent:
+            print(f"host time per step, each part timed around its call (inclusive), over {steps} steps:")
+        for name, (ns, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+            if calls:
+                print(f"  {name:40s} {ns / steps / 1e6:7.3f} ms  {calls / steps:5.1f} calls")
+    try:
+        yield report
+    finally:
+        for o, attr, fn in saved:
+            setattr(o, attr, fn)
 
 
 def wall_report(llm, steps: int) -> None:

@@ -15,6 +15,9 @@ for `live` the detailed and the other steps apart. So the cost splits into a fix
 part and the first step's part (reading the prefill's timeline: a chunked prefill's first, middle and last chunks
 at a detail rate, `full` every chunk).
 `--profile VARIANT` adds a cProfile of that variant's last turn (the host functions, by own time).
+`--blocks N` measures the steady steps alone, with less of the host's drift: one long answer, the recorder swapped
+every N steps (the variants in turn, the order rotating every round, 5 steps after each swap not timed); per variant
+the median over rounds of each block's median step, and each block against the same round's `plain` one.
 """
 from __future__ import annotations
 
@@ -96,12 +99,18 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--same-prompt", action="store_true", help="every turn the same prompt but its last 16 tokens (as "
                    "the app's turns about one document: its KV in the prefix cache, the question prefilled)")
+    p.add_argument("--blocks", type=int, default=0, help="steps per block: the steady steps of one answer, the "
+                   "recorder swapped every block (see above); --turns rounds")
     a = p.parse_args()
     (name, params), = parse_policy_spec(a.policy)
     kw = {"kv_block_size": a.block_size} if a.block_size else {}
-    llm = LLM(a.model, shape=None if a.model else shape_config(a.shape), max_model_len=a.ctx + a.steps + 8,
+    rounds_steps = a.turns * len(a.variants.split(",")) * (a.blocks + 5) + 40
+    llm = LLM(a.model, shape=None if a.model else shape_config(a.shape),
+              max_model_len=a.ctx + max(a.steps, rounds_steps if a.blocks else 0) + 8,
               mode=a.mode, policy=name, policy_params=params, max_num_seqs=1, **kw)
     variants = a.variants.split(",")
+    if a.blocks:
+        return blocks(llm, a, variants, rounds_steps)
     gen = torch.Generator().manual_seed(0)
     if a.same_prompt:
         SAME_PROMPT[:] = torch.randint(0, llm.args.vocab_size, (a.ctx,), generator=gen).tolist()
@@ -143,6 +152,36 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
         print("the recorder's part, cumulative:")
         pstats.Stats(prof).sort_stats("cumulative").print_stats("trace/", a.rows)
+
+
+def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
+    prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = llm.add_request(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
+    for _ in range(21):                                # prefill, then steps that capture graphs and warm up
+        llm.step()
+    res: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(a.turns):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            llm.recorder = recorder(v, llm.device, llm.config.mode)
+            times = []
+            for i in range(a.blocks + 5):
+                t0 = time.perf_counter()
+                llm.step()
+                if i >= 5:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            if llm.recorder.enabled:
+                llm.recorder.flush()
+            res[v].append(statistics.median(times))
+    llm.recorder = None
+    print(f"{llm.device} {a.mode} {a.policy} ctx {a.ctx}..{len(seq)}: blocks of {a.blocks} steady steps of one answer, "
+          f"{a.turns} rounds (ms/step, median over rounds of each block's median)")
+    for v in variants:
+        line = f"  {v:6s} {statistics.median(res[v]):.4f}  rounds: " + " ".join(f"{t:.3f}" for t in res[v])
+        if "plain" in res and v != "plain":
+            paired = [t / u for t, u in zip(res[v], res["plain"])]
+            line += f"\n         against plain, round by round: median {statistics.median(paired):.3f}x " \
+                    f"({min(paired):.3f}-{max(paired):.3f})"
+        print(line)
 
 
 if __name__ == "__main__":
