@@ -150,25 +150,37 @@ def label_calls() -> None:
     """Wrap the functions PARTS names (and the runners' forward: the layer loop) in profiler ranges: torch 2.11's
     profiler gives no Python stacks to the ops, so kernels are attributed through these ranges."""
     import functools
-    import importlib
 
     from torch.profiler import record_function
 
-    def wrap(fn, name):
-        @functools.wraps(fn)
-        def inner(*args, **kw):
-            with record_function(name):
-                return fn(*args, **kw)
-        return inner
+    def wrap(name):
+        def make(fn, place):
+            @functools.wraps(fn)
+            def inner(*args, **kw):
+                with record_function(name):
+                    return fn(*args, **kw)
+            return inner
+        return make
 
     parts = PARTS + ((LOOP, [("engine.offload.layerwise", "LayerwiseRunner", "forward"),
                              ("engine.offload.chunked", "ChunkedRunner", "forward")]),)
     for name, places in parts:
-        for mod, owner, attr in places:
-            m = importlib.import_module(mod)
-            target = getattr(m, owner) if owner else m
-            if attr in vars(target):
-                setattr(target, attr, wrap(getattr(target, attr), f"kvscope: {name}"))
+        wrap_places(places, wrap(f"kvscope: {name}"))
+
+
+def wrap_places(places, make) -> list:
+    """Replace each (module, class or None, attribute) that the class (or module) itself defines with
+    make(fn, place) -> [(target, attribute, the original)], to put them back."""
+    import importlib
+    saved = []
+    for mod, owner, attr in places:
+        target = importlib.import_module(mod)
+        target = getattr(target, owner) if owner else target
+        if attr in vars(target):
+            fn = getattr(target, attr)
+            saved.append((target, attr, fn))
+            setattr(target, attr, make(fn, (mod, owner, attr)))
+    return saved
 
 
 def _labels(e) -> list[str]:
@@ -211,31 +223,30 @@ HOST_PARTS = [("engine.offload.layerwise", "LayerwiseRunner", m) for m in
              [("engine.sparse.quest", "QuestPolicy", m) for m in ("plan_load", "observe_query", "observe_ahead", "_run",
                                                                   "on_kv_written", "end_step")] + \
              [("engine.offload.offload_engine", "OffloadEngine", m) for m in ("load_rows", "ahead", "release")] + \
-             [("engine.offload.streams", "CopyStream", "copy"), ("engine.offload.decode_graphs", "DecodeGraphs", "run"),
-              ("engine.offload.decode_graphs", "DecodeGraphs", "_replay"), ("engine.ops.triton_gather", None, "gather_rows")]
+             [("engine.offload.streams", "CopyStream", "copy"),
+              ("engine.offload.decode_graphs", "DecodeGraphs", "run"),
+              ("engine.offload.decode_graphs", "DecodeGraphs", "_replay"),
+              ("engine.ops.triton_gather", None, "gather_rows")]
 
 
 @contextlib.contextmanager
 def host_timer(on: bool):
     """Wrap HOST_PARTS in timers while the block runs; yields report(steps) (prints ms per step and calls)."""
-    import importlib
     import time
     spent: dict[str, list] = {}
-    saved = []
-    for mod, owner, attr in HOST_PARTS if on else []:
-        m = importlib.import_module(mod)
-        o = getattr(m, owner) if owner else m
-        fn, acc = getattr(o, attr), spent.setdefault(f"{owner or mod}.{attr}", [0, 0])   # ns, calls
 
-        def timed(*args, _fn=fn, _acc=acc, **kw):
+    def timer(fn, place):
+        acc = spent.setdefault(f"{place[1] or place[0]}.{place[2]}", [0, 0])    # ns, calls
+
+        def timed(*args, **kw):
             t0 = time.perf_counter_ns()
             try:
-                return _fn(*args, **kw)
+                return fn(*args, **kw)
             finally:
-                _acc[0] += time.perf_counter_ns() - t0
-                _acc[1] += 1
-        saved.append((o, attr, fn))
-        setattr(o, attr, timed)
+                acc[0] += time.perf_counter_ns() - t0
+                acc[1] += 1
+        return timed
+    saved = wrap_places(HOST_PARTS if on else [], timer)
 
     def report(steps: int) -> None:
         if spent:

@@ -104,11 +104,11 @@ def main() -> None:
     a = p.parse_args()
     (name, params), = parse_policy_spec(a.policy)
     kw = {"kv_block_size": a.block_size} if a.block_size else {}
-    rounds_steps = a.turns * len(a.variants.split(",")) * (a.blocks + 5) + 40
-    llm = LLM(a.model, shape=None if a.model else shape_config(a.shape),
-              max_model_len=a.ctx + max(a.steps, rounds_steps if a.blocks else 0) + 8,
-              mode=a.mode, policy=name, policy_params=params, max_num_seqs=1, **kw)
     variants = a.variants.split(",")
+    rounds_steps = a.turns * len(variants) * (a.blocks + 5) + 40 if a.blocks else 0   # --blocks: one answer
+    llm = LLM(a.model, shape=None if a.model else shape_config(a.shape),
+              max_model_len=a.ctx + max(a.steps, rounds_steps) + 8, mode=a.mode, policy=name, policy_params=params,
+              max_num_seqs=1, **kw)
     if a.blocks:
         return blocks(llm, a, variants, rounds_steps)
     gen = torch.Generator().manual_seed(0)
