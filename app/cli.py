@@ -277,10 +277,11 @@ def _chat(args) -> int:
         llm.warm_up(_progress)                        # CUDA: compiled and captured before the question, not in it
         messages = document_messages(document.text, question, document.name, args.system)
         first_step = recorder.steps[-1].step + 1 if recorder is not None and recorder.steps else 0
-        conversation = _begin_record(args, llm, messages, document.text, first_step)
+        ids = llm.tokenize_turn(messages)             # once: the engine and the recording's token map take them
+        conversation = _begin_record(args, llm, messages, ids, document.text, first_step)
         answer = []
         stats = None
-        for chunk in llm.stream(messages, params):
+        for chunk in llm.stream(messages, params, prompt_ids=ids):
             if chunk.stats is not None:
                 stats = chunk.stats
             elif chunk.text:
@@ -312,7 +313,7 @@ def _chat(args) -> int:
     return 0
 
 
-def _begin_record(args, llm, messages: list[dict], text: str, first_step: int):
+def _begin_record(args, llm, messages: list[dict], ids: list[int], text: str, first_step: int):
     """--record: the turn's Conversation, with the token map Quest's pages are shown in the document by."""
     if args.record is None:
         return None
@@ -320,7 +321,7 @@ def _begin_record(args, llm, messages: list[dict], text: str, first_step: int):
     from app.record import Conversation
     conversation = Conversation()
     if llm.runner.policy.plans_loads:
-        token_map, why = token_char_map(llm.tokenizer, messages, llm.chat_prompt_ids(messages), text)
+        token_map, why = token_char_map(llm.tokenizer, messages, ids, text)
         conversation.begin_turn({"map": token_map, "reason": why, "first_step": first_step})
     return conversation
 

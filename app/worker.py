@@ -220,11 +220,13 @@ class EngineWorker(WorkerBase):
         answer, stats = [], None
         rec = llm.recorder
         first_step = rec.steps[-1].step + 1 if rec.steps else 0
-        self.token_map.emit(self._token_map(llm, messages, doc.text, first_step))
         unsent, sent_at = 0, 0.0          # text goes to the window at most every TEXT_EVERY_S (GPU: ~700 tok/s)
         try:
+            ids = llm.tokenize_turn(messages)                # once: the token map and the engine both take them
+            self.token_map.emit(self._token_map(llm, messages, ids, doc.text, first_step))
             params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-            for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self.prefill_progress.emit):
+            for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self.prefill_progress.emit,
+                                    prompt_ids=ids):
                 if chunk.stats is not None:
                     stats = chunk.stats
                 elif chunk.text:
@@ -255,7 +257,7 @@ class EngineWorker(WorkerBase):
             self.history = self.history[:-2]
         self.ask(question, sampling, system)
 
-    def _token_map(self, llm, messages: list[dict], text: str, first_step: int) -> dict | None:
+    def _token_map(self, llm, messages: list[dict], ids: list[int], text: str, first_step: int) -> dict | None:
         """For the highlight of what Quest reads: each prompt token's document characters (app/quest_highlight.py),
         with the turn's first step number. None when the policy does not select pages (nothing to highlight);
         map None (and why) when the prompt cannot be mapped. Cached for a prompt asked again."""
@@ -264,7 +266,7 @@ class EngineWorker(WorkerBase):
         key = (id(llm), repr(messages))
         if self._map_cache[0] != key:
             try:
-                token_map, why = token_char_map(llm.tokenizer, messages, llm.chat_prompt_ids(messages), text)
+                token_map, why = token_char_map(llm.tokenizer, messages, ids, text)
             except Exception as e:  # noqa: BLE001 - no highlight this turn; the answer itself reports its errors
                 token_map, why = None, f"{type(e).__name__}: {e}"
             self._map_cache = (key, token_map, why)

@@ -207,6 +207,17 @@ class LLM:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def tokenize_turn(self, messages: list[dict] | str) -> list[int]:
+        """`chat_prompt_ids`, recorded as a step of its own (a turn's first)."""
+        rec = self._recorder
+        if rec.enabled:
+            rec.begin_step(TOKENIZE)
+        with rec.span(HOST, "chat template + tokenize"):
+            ids = self.chat_prompt_ids(messages)
+        if rec.enabled:
+            rec.end_step({"prompt_tokens": len(ids)})
+        return ids
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.config.kv_block_size
@@ -341,18 +352,14 @@ class LLM:
         return out
 
     def stream(self, messages: list[dict] | str, params: SamplingParams | None = None, cancel=None,
-               progress: Progress | None = None) -> Iterator[StreamChunk]:
+               progress: Progress | None = None, prompt_ids: list[int] | None = None) -> Iterator[StreamChunk]:
         """Chat: yield the answer as it is generated, then a final chunk with the stats.
         `cancel` is a threading.Event, checked after every layer (a long prefill stops within one layer's time);
-        `progress(fraction, message)` hears how far the prefill got, layer by layer."""
+        `progress(fraction, message)` hears how far the prefill got, layer by layer. `prompt_ids`: the messages'
+        `tokenize_turn`, where the caller made them already (a long document is not tokenized twice)."""
         t_start = time.perf_counter()
         rec = self._recorder
-        if rec.enabled:
-            rec.begin_step(TOKENIZE)
-        with rec.span(HOST, "chat template + tokenize"):
-            ids = self.chat_prompt_ids(messages)
-        if rec.enabled:
-            rec.end_step({"prompt_tokens": len(ids)})
+        ids = self.tokenize_turn(messages) if prompt_ids is None else prompt_ids
         seq = self.add_request(ids, params or SamplingParams())
         seq.t_arrival = t_start
         detok = Detokenizer(self.tokenizer)

@@ -1,7 +1,7 @@
 """How large a recording of a long turn is, and how long it takes to write: a Quest turn on a model shape with
 random weights, recorded as the app records it (`TraceRecorder.live`), saved as a `.kvscope`.
 
-    python tools/recording_size.py --shape qwen3-4b --ctx 131072 --out /tmp/q128k.kvscope     (H100: 12.5 MiB, 3.45 s)
+    python tools/recording_size.py --shape qwen3-4b --ctx 131072 --out /tmp/q128k.kvscope
     python tools/recording_size.py --shape smollm2-135m --ctx 2048 --device cpu --out /tmp/q2k.kvscope
 
 The answer is `--tokens` tokens (EOS ignored); Quest runs with `--budget` (layerwise mode, `--gpu-kv-budget` GB of
@@ -42,15 +42,18 @@ def main() -> int:
                   gpu_kv_budget_gb=a.gpu_kv_budget if device.startswith("cuda") else None)
     with LLM(shape=shape_config(a.shape), recorder=rec, **engine) as llm:
         prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,)).tolist()
+        t0 = time.perf_counter()
         out = llm.generate([prompt], SamplingParams(max_tokens=a.tokens, ignore_eos=True))[0]
+        turn = time.perf_counter() - t0
         conv = Conversation()
         conv.end_turn("(a random prompt)", out.text, turn_stats(out.stats, llm), engine, list(rec.steps))
         meta = {"device": str(llm.device), "app": {"model": model_info(llm), "engine": engine}}
         t0 = time.perf_counter()
         path = save_recording(conv.recording("", meta), a.out)
         took = time.perf_counter() - t0
-    print(f"{a.shape} at {a.ctx:,} tokens, Quest {a.budget}, {len(rec.steps)} steps (decode {out.stats.decode_tok_s:.1f} "
-          f"tok/s): {path} is {path.stat().st_size / 2**20:.1f} MiB, written in {took:.2f} s")
+    print(f"{a.shape} at {a.ctx:,} tokens, Quest {a.budget}, {len(rec.steps)} steps (turn {turn:.2f} s: time to first "
+          f"token {out.stats.ttft_s:.2f} s, decode {out.stats.decode_tok_s:.1f} tok/s): {path} is "
+          f"{path.stat().st_size / 2**20:.1f} MiB, written in {took:.3f} s ({100 * took / turn:.1f}% of the turn)")
     return 0
 
 

@@ -4,25 +4,29 @@
     save_recording(rec, "run.kvscope")            # written beside, then renamed: never half a file
     rec = load_recording("run.kvscope")           # RecordingError (one line) for anything that is not one
 
-The format (version 1) is a zip archive, open to any tool:
+The format (version 2) is a zip archive, open to any tool:
 
-- `manifest.json`: {"format": "kvscope-recording", "version": 1, "created" (UTC, ISO 8601), "host", "platform",
+- `manifest.json`: {"format": "kvscope-recording", "version": 2, "created" (UTC, ISO 8601), "host", "platform",
   "app": {model, engine, document (name, path, tokens, encoding), sampling, system_prompt, panel},
   "turns": [{question, answer, stats, engine, first_step, last_step, token_map (the name of its array or null),
-  token_map_reason}], "n_steps"}. `app` and each turn's `stats`/`engine` are what the app and the engine reported
-  (free-form JSON, for the views).
+  token_map_reason}], "n_steps", "narrowed": {array name: its dtype}}. `app` and each turn's `stats`/`engine` are
+  what the app and the engine reported (free-form JSON, for the views).
 - `document.txt`: the document's text (UTF-8); Quest's pages map into it through a turn's token map.
 - `steps.json`: one object per engine step: step, phase, n_tokens, t0_us, t1_us, device, detailed, windows,
   metrics, `spans` as rows [lane, name, t0_us, t1_us, layer, bytes, slot, args], `slots` as rows [t_us, slot,
   layer, state, tokens, capacity], `quest` (per bulk record: step, layers, n_pages, page_size and the names of its
   pages / scores / positions arrays; single picks likewise), `masks` (per head: layer, head, n, density and the
   names of its vertical / slash / image arrays). Times are µs on the recording engine's clock.
-- `arrays.npz`: the arrays those names refer to (numpy's npz): Quest pages int32 [layers, Hkv, k],
-  scores float32, positions int32; masks' vertical and slash indices, mask images; token maps int32 [tokens, 2].
+- `arrays.npz`: the arrays those names refer to (numpy's npz, stored uncompressed): Quest pages int32 [layers, Hkv,
+  k], scores float32, positions int32 (a pick whose positions equal its pages names the pages' array for both);
+  masks' vertical and slash indices, mask images; token maps int32 [tokens, 2]. An integer array whose values fit
+  int16 is stored as int16 and listed in `narrowed` with its dtype, which a reader restores (version 1 had no
+  `narrowed`, and zip-compressed the npz: writing a 128K-token Quest turn's picks took seconds).
 - `trace.json`: the same steps as Chrome trace events: opens in Perfetto (ui.perfetto.dev) as it is.
 
 A reader refuses a newer version with a message that says so; fields it does not know are ignored, so a version
-adds fields without a new number. Nothing here imports torch or Qt.
+adds fields without a new number unless an older reader would misread the file (version 2's int16 arrays).
+Nothing here imports torch or Qt.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from engine.trace.chrome import to_chrome_trace
 from engine.trace.events import LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span, StepTrace
 
 FORMAT = "kvscope-recording"
-VERSION = 1
+VERSION = 2   # 2: integer arrays narrowed to int16 where they fit (`narrowed`); 1 is read too
 SUFFIX = ".kvscope"
 
 
@@ -81,15 +85,26 @@ class Recording:
 
 # ---------------------------------------------------------------------------------------------------- writing
 class _Arrays:
-    """Arrays by name, for arrays.npz."""
+    """Arrays by name, for arrays.npz. Integer arrays whose values fit int16 are kept as int16 (`narrowed`: their
+    names and dtypes, restored on reading): Quest's pages are most of a recording."""
 
     def __init__(self):
         self.data: dict[str, np.ndarray] = {}
+        self.narrowed: dict[str, str] = {}
 
-    def put(self, name: str, a) -> str | None:
+    def put(self, name: str, a, same_as: str | None = None) -> str | None:
+        """Keep `a` as `name`; where it equals the array named `same_as`, keep nothing and return that name
+        (a Quest pick's positions are its pages when the pool holds one sequence in order)."""
         if a is None:
             return None
-        self.data[name] = np.asarray(a)
+        a = np.asarray(a)
+        if same_as is not None and a.dtype == self.narrowed.get(same_as, self.data[same_as].dtype) and \
+                np.array_equal(self.data[same_as], a):
+            return same_as
+        if a.dtype.kind in "iu" and a.dtype.itemsize > 2 and a.size and a.min() >= -2**15 and a.max() < 2**15:
+            self.narrowed[name] = a.dtype.str
+            a = a.astype(np.int16)
+        self.data[name] = a
         return name
 
 
@@ -100,15 +115,16 @@ def _step_json(s: StepTrace, arrays: _Arrays) -> dict:
     picks = s.quest if isinstance(s.quest, QuestPicks) else QuestPicks(list(s.quest))
     single, bulk = picks.parts
     for i, (step, layers, pages, scores, n_pages, positions, page_size) in enumerate(bulk):
+        at = arrays.put(f"{p}q{i}_pages", pages)
         quest.append({"step": int(step), "layers": [int(x) for x in layers], "n_pages": [int(x) for x in n_pages],
-                      "page_size": int(page_size), "pages": arrays.put(f"{p}q{i}_pages", pages),
-                      "scores": arrays.put(f"{p}q{i}_scores", scores),
-                      "positions": arrays.put(f"{p}q{i}_positions", positions)})
+                      "page_size": int(page_size), "pages": at, "scores": arrays.put(f"{p}q{i}_scores", scores),
+                      "positions": arrays.put(f"{p}q{i}_positions", positions, same_as=at)})
     for i, q in enumerate(single):
+        at = arrays.put(f"{p}p{i}_pages", q.blocks)
         quest.append({"single": True, "step": int(q.step), "layer": int(q.layer), "kv_head": int(q.kv_head),
-                      "n_pages": int(q.n_blocks), "page_size": int(q.page_size),
-                      "pages": arrays.put(f"{p}p{i}_pages", q.blocks), "scores": arrays.put(f"{p}p{i}_scores", q.scores),
-                      "positions": arrays.put(f"{p}p{i}_positions", q.positions)})
+                      "n_pages": int(q.n_blocks), "page_size": int(q.page_size), "pages": at,
+                      "scores": arrays.put(f"{p}p{i}_scores", q.scores),
+                      "positions": arrays.put(f"{p}p{i}_positions", q.positions, same_as=at)})
     masks = [{"layer": int(m.layer), "head": int(m.head), "n": int(m.n), "density": float(m.density),
               "vertical": arrays.put(f"{p}m{i}_v", m.vertical), "slash": arrays.put(f"{p}m{i}_s", m.slash),
               "image": arrays.put(f"{p}m{i}_i", m.image)} for i, m in enumerate(s.masks)]
@@ -135,6 +151,19 @@ def _jsonable(v):
     return str(v)
 
 
+def _default(v):
+    return v.tolist() if isinstance(v, np.ndarray) else v.item() if isinstance(v, np.generic) else str(v)
+
+
+def _dumps(v) -> str:
+    """Compact JSON of `v` as _jsonable makes it; numpy values are met by the encoder's `default`, so only a
+    dict with keys JSON cannot take (numpy integers, say) costs the walk over everything."""
+    try:
+        return json.dumps(v, default=_default, separators=(",", ":"))
+    except TypeError:
+        return json.dumps(_jsonable(v), separators=(",", ":"))
+
+
 def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
     """Write `rec` to `path` (a temporary file beside it, then renamed). Returns the path."""
     path = Path(path)
@@ -150,18 +179,18 @@ def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
                 "created": meta.pop("created", None) or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "host": meta.pop("host", None) or socket.gethostname(),
                 "platform": meta.pop("platform", None) or platform.platform(), **_jsonable(meta),
-                "turns": turns, "n_steps": len(steps)}
+                "turns": turns, "n_steps": len(steps), "narrowed": arrays.narrowed}
     npz = io.BytesIO()
-    np.savez(npz, **arrays.data)          # (the archive compresses it: no zip's directory shows through it)
+    np.savez(npz, **arrays.data)          # stored as it is: compressing it took most of a 128K turn's write
     fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:   # (level 6: 2-3x the time)
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
             z.writestr("document.txt", rec.document)
-            z.writestr("steps.json", json.dumps(_jsonable(steps), separators=(",", ":")))
-            z.writestr("arrays.npz", npz.getvalue())
+            z.writestr("steps.json", _dumps(steps))
             z.writestr("trace.json", json.dumps(to_chrome_trace(rec.steps), separators=(",", ":")))
+            z.writestr("arrays.npz", npz.getvalue(), zipfile.ZIP_STORED)   # (last: see load_recording)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -200,6 +229,8 @@ def load_recording(path: str | os.PathLike) -> Recording:
     try:
         with zipfile.ZipFile(path) as z:
             names = set(z.namelist())
+            if all(n.endswith(".npy") for n in names):   # a file cut inside its end: the stored npz's
+                raise zipfile.BadZipFile("the file ends early")     # own directory is what a zip reader finds
             if "manifest.json" not in names:
                 raise RecordingError(f"{path}: not a kvscope recording (no manifest.json in it); record one with "
                                      "`python main.py chat --record FILE` or File → Save recording")
@@ -214,6 +245,8 @@ def load_recording(path: str | os.PathLike) -> Recording:
             steps_json = json.loads(z.read("steps.json"))
             with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
+            for k, dtype in (manifest.get("narrowed") or {}).items():     # (version 2)
+                arrays[k] = arrays[k].astype(dtype)
     except RecordingError:
         raise
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:

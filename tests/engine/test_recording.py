@@ -1,4 +1,5 @@
 """Recordings (engine/trace/recording.py): a real engine's steps round-trip, and bad files are refused in one line."""
+import io
 import json
 import zipfile
 
@@ -46,9 +47,41 @@ def test_a_quest_turn_round_trips_with_its_picks_spans_and_token_map(default_mod
     assert back.document == rec.document and back.turns[0]["answer"] == rec.turns[0]["answer"]
     assert back.turns[0]["stats"] == json.loads(json.dumps(rec.turns[0]["stats"]))
     np.testing.assert_array_equal(back.turns[0]["token_map"], rec.turns[0]["token_map"])
-    assert back.turn_steps(0) == back.steps and back.meta["version"] == 1 and back.meta["host"]
+    assert back.turn_steps(0) == back.steps and back.meta["version"] == 2 and back.meta["host"]
+    assert {p.blocks.dtype for s in back.steps for p in s.quest} == {p.blocks.dtype for s in rec.steps for p in s.quest}
     with zipfile.ZipFile(tmp_path / "q.kvscope") as z:              # the trace inside opens in Perfetto as it is
         assert check_chrome_trace(json.loads(z.read("trace.json"))) == []
+        names = np.load(io.BytesIO(z.read("arrays.npz"))).files
+    assert [n for n in names if n.endswith("_pages")] and not [n for n in names if n.endswith("_positions")], \
+        "one sequence in the pool: a pick's positions are its pages, stored once"
+    assert back.meta["narrowed"] and set(back.meta["narrowed"]) <= set(names)
+
+
+def test_a_version_1_recording_still_opens(default_model_dir, tmp_path):
+    """Version 1 kept int32 arrays, each pick's positions apart, in a compressed npz, with no `narrowed`."""
+    rec = record(default_model_dir, "quest", QUEST, list(range(2000, 2900)))
+    new = save_recording(rec, tmp_path / "v2.kvscope")
+    old = tmp_path / "v1.kvscope"
+    with zipfile.ZipFile(new) as z, zipfile.ZipFile(old, "w", zipfile.ZIP_DEFLATED) as out:
+        manifest = json.loads(z.read("manifest.json"))
+        steps = json.loads(z.read("steps.json"))
+        arrays = dict(np.load(io.BytesIO(z.read("arrays.npz"))))
+        arrays = {k: a.astype(manifest["narrowed"].get(k, a.dtype)) for k, a in arrays.items()}
+        for d in steps:
+            for q in d["quest"]:
+                q["positions"] = q["pages"].replace("_pages", "_positions")
+                arrays[q["positions"]] = arrays[q["pages"]].copy()
+        npz = io.BytesIO()
+        np.savez(npz, **arrays)
+        del manifest["narrowed"]
+        out.writestr("manifest.json", json.dumps({**manifest, "version": 1}))
+        out.writestr("steps.json", json.dumps(steps))
+        out.writestr("arrays.npz", npz.getvalue())
+        for name in ("document.txt", "trace.json"):
+            out.writestr(name, z.read(name))
+    back = load_recording(old)
+    assert back.meta["version"] == 1
+    same_steps(rec.steps, back.steps)
 
 
 def test_a_minference_prefill_round_trips_with_its_masks(default_model_dir, tmp_path):
@@ -77,9 +110,10 @@ def test_truncated_corrupt_and_newer_recordings_are_refused(tmp_path):
     assert load_recording(good).document == "doc"
     data = good.read_bytes()
     cut = tmp_path / "cut.kvscope"
-    cut.write_bytes(data[: len(data) // 2])
-    with pytest.raises(RecordingError, match="truncated or corrupt"):
-        load_recording(cut)
+    for end in (len(data) // 2, len(data) - 30):    # (the arrays are last, stored: their npz's end is in the file)
+        cut.write_bytes(data[:end])
+        with pytest.raises(RecordingError, match="truncated or corrupt"):
+            load_recording(cut)
     newer = tmp_path / "newer.kvscope"
     with zipfile.ZipFile(good) as z, zipfile.ZipFile(newer, "w") as out:
         for name in z.namelist():

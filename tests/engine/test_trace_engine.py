@@ -83,3 +83,21 @@ def test_the_noop_recorder_is_never_asked_to_record(llm):
     finally:
         llm.recorder = None
     assert spy.calls == 0 and not vars(spy).keys() - {"calls"}
+
+
+def test_a_turn_tokenized_by_its_caller_records_one_tokenize_step_and_answers_the_same(llm):
+    """The app and the command line tokenize a turn once (`tokenize_turn`) for the token map and the engine."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    plain = "".join(c.text for c in llm.stream(messages, params))
+    rec = TraceRecorder(max_steps=64)
+    llm.recorder = rec
+    try:
+        ids = llm.tokenize_turn(messages)
+        chunks = list(llm.stream(messages, params, prompt_ids=ids))
+    finally:
+        llm.recorder = None
+    assert ids == llm.chat_prompt_ids(messages) and "".join(c.text for c in chunks) == plain
+    phases = [s.phase for s in rec.steps]
+    assert phases.count("tokenize") == 1 and phases[0] == "tokenize" and "prefill" in phases
+    assert chunks[-1].stats.prompt_tokens == len(ids)
