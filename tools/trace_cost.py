@@ -9,9 +9,12 @@ Variants (the order rotates every round, each turn a fresh random prompt):
           in the offload modes on CUDA LOW_DETAIL_HZ)
   lean    the same recorder with no per-layer timeline in decode (metrics, picks, host spans only)
   full    a timeline in every step
+  record  `live`, and the turn then saved as a recording (`--record`: app/record.py, engine/trace/recording.py),
+          the write's time counted in the whole turn
 Per variant, medians over turns: the turn's decode ms/token as `generate` reports it (first to last token), the
-prefill step (time to first token), the first decode step (it reads the prefill's trace), the steady steps, and
-for `live` the detailed and the other steps apart. So the cost splits into a fixed part per step, the timeline's
+whole turn (the prefill step, every decode step and, for `record`, the write), the prefill step (time to first
+token), the first decode step (it reads the prefill's trace), the steady steps, and for `live` the detailed and the
+other steps apart. So the cost splits into a fixed part per step, the timeline's
 part and the first step's part (reading the prefill's timeline: a chunked prefill's first, middle and last chunks
 at a detail rate, `full` every chunk).
 `--profile VARIANT` adds a cProfile of that variant's last turn (the host functions, by own time).
@@ -23,22 +26,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from bench.shapes import shape_config
-from engine import LLM, SamplingParams
-from engine.sparse import parse_policy_spec
-from engine.trace import TraceRecorder
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("plain", "live", "lean", "full")
+from app.record import Conversation, model_info  # noqa: E402 - the recording as `chat --record` makes it
+from bench.shapes import shape_config  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.sparse import parse_policy_spec  # noqa: E402
+from engine.trace import TraceRecorder  # noqa: E402
+from engine.trace.recording import save_recording  # noqa: E402
+
+VARIANTS = ("plain", "live", "lean", "full", "record")
 
 
 def recorder(variant: str, device, mode: str):
     if variant == "plain":
         return None
-    hz = {"live": None, "lean": 1e-9, "full": 1e9}[variant]
+    hz = {"live": None, "record": None, "lean": 1e-9, "full": 1e9}[variant]
     return TraceRecorder.live(device, mode=mode) if hz is None else TraceRecorder(max_steps=512, device=device,
                                                                                   detail_hz=hz)
 
@@ -68,10 +78,11 @@ def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, pro
             prof.disable()
         if rec is not None:
             rec.flush()
+        write = save(llm, rec, seq) if variant == "record" else 0.0
     finally:
         llm.recorder = None
-    out = {"turn": (seq.t_last_token - seq.t_first_token) * 1e3 / steps, "prefill": prefill, "first": times[0],
-           "steady": statistics.median(times[1:])}
+    out = {"turn": (seq.t_last_token - seq.t_first_token) * 1e3 / steps, "whole": prefill + sum(times) + write,
+           "prefill": prefill, "first": times[0], "steady": statistics.median(times[1:]), "write": write}
     if rec is not None:
         pre = [s for s in rec.steps if s.phase == "prefill"][-1]
         out["prefill_records"] = len(pre.spans) + len(pre.slots)
@@ -82,6 +93,18 @@ def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, pro
         out.update(detailed=statistics.median(det) if det else float("nan"), n_detailed=len(det),
                    other=statistics.median(rest) if rest else float("nan"))
     return out
+
+
+def save(llm: LLM, rec, seq) -> float:
+    """The turn as `chat --record` saves it (no document: random tokens), into a temporary folder: ms."""
+    t0 = time.perf_counter()
+    conv = Conversation()
+    steps = [s for s in rec.steps if s.phase in ("prefill", "decode")]
+    conv.end_turn("(random tokens)", "", {"prompt_tokens": seq.num_prompt_tokens}, {"mode": llm.config.mode}, steps)
+    with tempfile.TemporaryDirectory() as d:
+        save_recording(conv.recording("", {"device": str(llm.device), "app": {"model": model_info(llm)}}),
+                       Path(d) / "turn.kvscope")
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
@@ -131,6 +154,7 @@ def main() -> None:
           "(ms; medians over turns)")
     base = statistics.median(t["turn"] for t in res["plain"]) if "plain" in res else None
     base_pre = statistics.median(t["prefill"] for t in res["plain"]) if "plain" in res else None
+    base_whole = statistics.median(t["whole"] for t in res["plain"]) if "plain" in res else None
     for v in variants:
         med = {k: statistics.median(t[k] for t in res[v]) for k in res[v][0]}
         ratio = f"  {med['turn'] / base:.3f}x plain" if base else ""
@@ -138,14 +162,16 @@ def main() -> None:
         extra += (f"  detailed steps {med['detailed']:.3f} (n={med['n_detailed']:.0f}), others {med['other']:.3f}"
                  if v == "live" else "")
         pre = f" ({med['prefill'] / base_pre:.3f}x)" if base_pre else ""
-        print(f"  {v:6s} turn {med['turn']:.3f} ms/token{ratio}  prefill {med['prefill']:.1f}{pre}  first step "
-              f"{med['first']:.2f}  steady "
-              f"{med['steady']:.3f}{extra}")
+        whole = f" ({med['whole'] / base_whole:.3f}x)" if base_whole else ""
+        extra += f"  write {med['write']:.1f}" if v == "record" else ""
+        print(f"  {v:6s} turn {med['turn']:.3f} ms/token{ratio}  whole turn {med['whole']:.1f}{whole}  prefill "
+              f"{med['prefill']:.1f}{pre}  first step {med['first']:.2f}  steady {med['steady']:.3f}{extra}")
         print("         per turn: " + ", ".join(f"{t['turn']:.3f}" for t in res[v]))
         if base and v != "plain":   # each round's turn against the same round's plain one (the host drifts slowly)
-            paired = [t["turn"] / u["turn"] for t, u in zip(res[v], res["plain"])]
-            print(f"         paired with plain, round by round: median {statistics.median(paired):.3f}x "
-                  f"({min(paired):.2f}-{max(paired):.2f})")
+            for key, what in (("turn", "decode"), ("whole", "whole turn")):
+                paired = [t[key] / u[key] for t, u in zip(res[v], res["plain"])]
+                print(f"         {what} paired with plain, round by round: median {statistics.median(paired):.3f}x "
+                      f"({min(paired):.2f}-{max(paired):.2f})")
     if prof is not None:
         import pstats
         print(f"cProfile of the last {a.profile} turn, by own time:")
