@@ -30,6 +30,7 @@ class _GraphSpans:
     (`add_event_span`), read with the rest of the step. Consecutive layers share their boundary event
     (nothing runs between one layer's end and the next one's start): 37 events for 36 layers."""
     enabled = True
+    detail = False   # (the model's own shared marks are for eager steps: here the spans above time the layers)
 
     def __init__(self):
         self.spans: list[list] = []   # [lane, name, layer, start event, end event]

@@ -72,4 +72,9 @@ def test_trace_of_prefill_and_graph_decode(llm):
         assert all(s.t1_us > s.t0_us for s in layers)
         assert all(step.t0_us - 1 <= s.t0_us and s.t1_us <= step.t1_us + 1 for s in step.spans)
         assert step.metrics["gpu_mem_allocated"] > 0
+    pre = steps[0]                      # eager: each layer's attention and MLP tile it (shared boundary marks)
+    for i in range(llm.args.num_layers):
+        (layer,), (att,), (mlp,) = ([s for s in pre.spans if s.layer == i and s.name == n]
+                                    for n in (f"layer {i}", "attention", "mlp"))
+        assert layer.t0_us == att.t0_us < att.t1_us == mlp.t0_us < mlp.t1_us == layer.t1_us
     assert check_chrome_trace(to_chrome_trace(steps)) == []
