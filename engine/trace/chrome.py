@@ -219,8 +219,18 @@ def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
+_PLAIN = frozenset((str, bool, int, type(None)))
+
+
 def _jsonable(v):
     """Numpy scalars/arrays and other odd values as plain JSON values (NaN / inf become null)."""
+    t = type(v)                       # (the plain types first: a step's metrics are most of a trace's values)
+    if t is float:
+        return v if math.isfinite(v) else None
+    if t in _PLAIN:
+        return v
+    if t is dict:
+        return {str(k): _jsonable(x) for k, x in v.items()}
     if v is None or isinstance(v, (str, bool)):
         return v
     if isinstance(v, numbers.Integral):

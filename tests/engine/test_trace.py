@@ -109,6 +109,20 @@ def test_partly_overlapping_spans_go_to_overflow_tracks():
     assert tids == {base, base + 100}
 
 
+def test_metrics_and_span_args_become_plain_json_values():
+    """numpy scalars and arrays, nested dicts with int keys, NaN and inf: strict JSON (NaN / inf as null)."""
+    metrics = {"a": 1, "b": 2.5, "c": float("nan"), "d": float("inf"), "e": np.float32(0.25), "f": np.int64(7),
+               "g": True, "h": None, "i": "x", "j": {3: np.float64(1.5), 4: [np.int32(1), 2.0]}, "k": np.arange(2)}
+    spans = [Span(H2D, "load", 0, 10, 1, 64, None, {"pages": np.int64(3), "share": float("nan")})]
+    obj = to_chrome_trace([StepTrace(0, "decode", 1, 0, 20, spans, metrics=metrics)])
+    events = json.loads(json.dumps(obj, allow_nan=False))["traceEvents"]
+    step = next(e for e in events if e["ph"] == "X" and e["cat"] == "steps")["args"]
+    assert {k: step[k] for k in metrics} == {"a": 1, "b": 2.5, "c": None, "d": None, "e": 0.25, "f": 7, "g": True,
+                                             "h": None, "i": "x", "j": {"3": 1.5, "4": [1, 2.0]}, "k": [0, 1]}
+    load = next(e for e in events if e["ph"] == "X" and e["name"] == "load")["args"]
+    assert load["pages"] == 3 and load["share"] is None and load["bytes"] == 64
+
+
 def test_write_gzip_round_trip_leaves_no_temp_file(tmp_path):
     steps = [hand_made_step(0), hand_made_step(1, offset=100)]
     for name, kw in (("t.json.gz", {}), ("t.json", {}), ("forced", {"gzip": True})):
