@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 try:  # optional, used when importable
     from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -75,10 +76,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if lq == lk:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # bottom-right aligned causal mask: query i sits at position lk - lq + i
-        rows = torch.arange(lk - lq, lk, device=q.device)[:, None]
-        mask = torch.arange(lk, device=q.device)[None, :] <= rows
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:  # bottom-right aligned causal: query i sits at position lk - lq + i. Not as a boolean mask: on an H100 that
+        # went to cuDNN, which built a graph per new (lq, lk), 0.7-1.4 s each, so a question about a cached document
+        # waited that long in its first layer; as a CausalBias it runs the flash kernel, no build
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk), scale=scale,
+                                           enable_gqa=True)
     return o[0].transpose(0, 1)
 
 

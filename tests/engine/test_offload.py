@@ -154,6 +154,22 @@ def test_block_runs_coalesce_consecutive_blocks():
     assert block_runs([(0, 7), (1, 8), (2, 9), (3, 3), (4, 4), (6, 5)]) == [(0, 7, 3), (3, 3, 2), (6, 5, 1)]
 
 
+def _by_hand(q, k, v, scale):
+    """Attention of q [Lq, Hq, D], the last Lq of Lk positions, over k, v [Lk, Hkv, D], written out."""
+    lq, lk, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, 1)) * scale
+    s = s.masked_fill(torch.arange(lk)[None, :] > torch.arange(lk - lq, lk)[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.repeat_interleave(g, 1))
+
+
+@pytest.mark.parametrize("lq, lk", [(7, 7), (1, 40), (5, 40), (33, 41)])
+def test_causal_attention_over_a_cached_prefix_is_bottom_right_aligned(lq, lk):
+    """New tokens after a cached prefix: query i sits at position lk - lq + i (a question about a cached document)."""
+    torch.manual_seed(lq)
+    q, k, v = torch.randn(lq, 6, 16), torch.randn(lk, 2, 16), torch.randn(lk, 2, 16)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.3), _by_hand(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+
+
 def test_lse_merge_equals_one_softmax():
     torch.manual_seed(0)
     q, k, v = torch.randn(5, 8, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16)

@@ -78,3 +78,20 @@ def test_trace_of_prefill_and_graph_decode(llm):
                                     for n in (f"layer {i}", "attention", "mlp"))
         assert layer.t0_us == att.t0_us < att.t1_us == mlp.t0_us < mlp.t1_us == layer.t1_us
     assert check_chrome_trace(to_chrome_trace(steps)) == []
+
+
+def test_attention_over_a_cached_prefix_on_cuda():
+    """A question about a cached document (new tokens over a longer prefix) in bf16 on CUDA equals float32
+    attention written out, for prompt lengths never seen before (each used to build a cuDNN graph)."""
+    from engine.ops.attention import causal_attention
+    for lq in (37, 222, 229):
+        g = torch.Generator(device="cuda").manual_seed(lq)
+        q, k, v = (torch.randn(n, h, 64, device="cuda", generator=g)
+                   for n, h in ((lq, 9), (900 + lq, 3), (900 + lq, 3)))
+        lk = k.shape[0]
+        s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(3, 1)) * 0.125
+        s = s.masked_fill(torch.arange(lk, device="cuda")[None, :] > torch.arange(lk - lq, lk, device="cuda")[:, None],
+                          float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.repeat_interleave(3, 1))
+        got = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125).float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
