@@ -77,7 +77,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if lq == lk:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:  # bottom-right aligned causal: query i sits at position lk - lq + i. Not as a boolean mask: on an H100 that
-        # went to cuDNN, which built a graph per new (lq, lk), 0.7-1.4 s each, so a question about a cached document
+        # went to cuDNN, which built a graph per new (lq, lk), up to 1.4 s, so each question about a cached document
         # waited that long in its first layer; as a CausalBias it runs the flash kernel, no build
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk), scale=scale,
                                            enable_gqa=True)
