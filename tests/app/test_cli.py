@@ -297,6 +297,11 @@ def test_record_saves_the_turn_with_its_picks_and_token_map(capsys, default_mode
     assert len(decodes) == turn["stats"]["completion_tokens"] - 1 and all(s.quest for s in decodes)
     assert turn["token_map"].shape == (turn["stats"]["prompt_tokens"], 2) and rec.document.startswith("The meeting")
     assert rec.meta["app"]["engine"]["policy"] == "quest" and rec.meta["origin"] == "command line"
+    from transformers import AutoTokenizer                 # the document's tokens as the window counts them
+    from app.prompt import document_messages
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir), local_files_only=True)
+    alone = tok.apply_chat_template(document_messages(rec.document, "", doc.name), add_generation_prompt=True)
+    assert rec.meta["app"]["document"]["tokens"] == len(alone["input_ids"] if hasattr(alone, "keys") else alone)
 
 
 def test_a_recording_that_is_not_one_is_refused_in_one_line(capsys, tmp_path):
