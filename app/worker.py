@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -221,12 +222,16 @@ class EngineWorker(WorkerBase):
         rec = llm.recorder
         first_step = rec.steps[-1].step + 1 if rec.steps else 0
         unsent, sent_at = 0, 0.0          # text goes to the window at most every TEXT_EVERY_S (GPU: ~700 tok/s)
+        mapping = None
         try:
             ids = llm.tokenize_turn(messages)                # once: the token map and the engine both take them
-            self.token_map.emit(self._token_map(llm, messages, ids, doc.text, first_step))
+            mapping = self._token_map(llm, messages, ids, doc.text, first_step)
             params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
             for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self.prefill_progress.emit,
                                     prompt_ids=ids):
+                if mapping is not None and mapping.done():      # (sent from this thread, as every signal is)
+                    self.token_map.emit(mapping.result())
+                    mapping = None
                 if chunk.stats is not None:
                     stats = chunk.stats
                 elif chunk.text:
@@ -242,6 +247,8 @@ class EngineWorker(WorkerBase):
         finally:
             if unsent:
                 self.answer_text.emit("".join(answer[-unsent:]))
+            if mapping is not None:                          # the map reaches the window before the turn's end
+                self.token_map.emit(mapping.result())
             self.turn_steps = [s for s in list(rec.steps) if s.step >= first_step]
             self.busy.emit(False)
         if stats is not None:
@@ -257,17 +264,35 @@ class EngineWorker(WorkerBase):
             self.history = self.history[:-2]
         self.ask(question, sampling, system)
 
-    def _token_map(self, llm, messages: list[dict], ids: list[int], text: str, first_step: int) -> dict | None:
+    def _token_map(self, llm, messages: list[dict], ids: list[int], text: str, first_step: int) -> Future | None:
         """For the highlight of what Quest reads: each prompt token's document characters (app/quest_highlight.py),
-        with the turn's first step number. None when the policy does not select pages (nothing to highlight);
-        map None (and why) when the prompt cannot be mapped. Cached for a prompt asked again."""
+        with the turn's first step number, to the window (`token_map`). None when the policy does not select pages
+        (nothing to highlight); map None (and why) when the prompt cannot be mapped. Cached for a prompt asked
+        again. A new map is made on a thread while the prefill runs (the tokenizer lets go of the GIL; before, a
+        long document's map came before the prefill: ~0.5 s at 115K tokens on a 2-core CPU): the window gets the
+        turn without a map at once, and `ask` sends the map once the thread has made it (its Future, returned;
+        None: nothing to wait for)."""
         if not llm.runner.policy.plans_loads:
+            self.token_map.emit(None)
             return None
         key = (id(llm), repr(messages))
-        if self._map_cache[0] != key:
+
+        def info() -> dict:
+            return {"map": self._map_cache[1], "reason": self._map_cache[2], "text": text, "first_step": first_step}
+
+        def make() -> dict:
             try:
                 token_map, why = token_char_map(llm.tokenizer, messages, ids, text)
             except Exception as e:  # noqa: BLE001 - no highlight this turn; the answer itself reports its errors
                 token_map, why = None, f"{type(e).__name__}: {e}"
             self._map_cache = (key, token_map, why)
-        return {"map": self._map_cache[1], "reason": self._map_cache[2], "text": text, "first_step": first_step}
+            return info()
+
+        if self._map_cache[0] == key:
+            self.token_map.emit(info())
+            return None
+        self.token_map.emit({"map": None, "reason": "", "text": text, "first_step": first_step})
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kvscope-token-map")
+        made = pool.submit(make)
+        pool.shutdown(wait=False)
+        return made

@@ -157,3 +157,31 @@ def test_streamed_text_is_batched_at_speed_and_nothing_is_lost(worker, monkeypat
     worker.ask("Who keeps the log?", {"max_tokens": 12, "temperature": 0.0}, "")
     assert "".join(pieces) == worker.history[-1]["content"] == answer and len(pieces) == 2
     worker.answer_text.disconnect(pieces.append)
+
+
+def test_a_quest_turn_maps_its_tokens_beside_the_prefill_and_the_map_comes_before_the_turn_ends(worker):
+    """The token map of a new prompt is made on a thread while the prefill runs: the window hears the turn without a
+    map at once, then the map (one row per prompt token), both before the answer ends; the same prompt asked again
+    takes the cached map at once."""
+    config = dict(worker.engine_config)
+    worker.load_model({**config, "mode": "layerwise", "policy": "quest",
+                       "policy_params": {"token_budget": 128, "min_context": 0, "min_layer_mb": 0}})
+    events = []
+    on_map, on_done = (lambda info: events.append(("map", info))), (lambda stats: events.append(("done", stats)))
+    worker.token_map.connect(on_map)
+    worker.answer_done.connect(on_done)
+    try:
+        worker.new_chat()
+        worker.ask("Who keeps the log?", {"max_tokens": 2}, "")
+        (k1, pending), (k2, made), (k3, stats) = events
+        assert (k1, k2, k3) == ("map", "map", "done") and worker.signals.errors == []
+        assert pending["map"] is None and pending["reason"] == "" and made["first_step"] == pending["first_step"]
+        assert made["map"].shape == (stats["prompt_tokens"], 2) and made["reason"] == ""
+        events.clear()
+        worker.ask_again("Who keeps the log?", {"max_tokens": 2}, "")    # the same prompt: the cached map
+        (k1, again), (k2, _) = events
+        assert (k1, k2) == ("map", "done") and again["map"] is made["map"]
+    finally:
+        worker.token_map.disconnect(on_map)
+        worker.answer_done.disconnect(on_done)
+        worker.load_model(config)
