@@ -142,7 +142,10 @@ class LLM:
             return
         if progress:
             progress(1.0, "warming up: compiling kernels, capturing CUDA graphs")
+        from engine.ops.attention import warm_up_prefill
         from engine.trace.recorder import TraceRecorder
+        a = self.args
+        warm_up_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device)
         tier, saved, self.tier = self.tier, self._recorder, None
         steps = self.config.ring_slots + 2
         room = min(self.max_model_len, self.kv_capacity_tokens) - steps - 1

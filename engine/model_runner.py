@@ -111,7 +111,7 @@ class ModelRunner:
             if meta.is_prefill:
                 sparse = None if policy is None else (
                     lambda qi, ki, vi: policy.prefill_attention(qi, ki, vi, i, self.scale, ctx))
-                return prefill_attention(q, k, v, kc, vc, meta, self.scale, sparse)
+                return prefill_attention(q, k, v, kc, vc, meta, self.scale, sparse, ctx.step)
             return decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale)
         return attend
 

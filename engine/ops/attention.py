@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 try:  # optional, used when importable
@@ -50,9 +51,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, attend=None) -> torch.Tensor:
+def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, attend=None,
+                      step: int | None = None) -> torch.Tensor:
     """Causal attention of the new tokens q [T, Hq, D] over their sequence's prefix + themselves.
-    `attend(q, k, v)` replaces dense causal attention per sequence (a sparse policy's prefill)."""
+    `attend(q, k, v)` replaces dense causal attention per sequence (a sparse policy's prefill); `step`: the engine
+    step's number (causal_attention)."""
     if attend is None and flash_attn_varlen_func is not None and q.is_cuda and not meta.has_prefix:  # its paged mode wants token-major
         return flash_attn_varlen_func(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, max(meta.q_lens),
                                       max(meta.q_lens), softmax_scale=scale, causal=True)
@@ -65,23 +68,62 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: floa
         else:
             ki = gather_kv(k_cache, meta.block_tables[i], k_len)
             vi = gather_kv(v_cache, meta.block_tables[i], k_len)
-        out[start:start + q_len] = causal_attention(qi, ki, vi, scale) if attend is None else attend(qi, ki, vi)
+        out[start:start + q_len] = causal_attention(qi, ki, vi, scale, step) if attend is None else attend(qi, ki, vi)
         start += q_len
     return out
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, Hq, D] are the last Lq of Lk positions; k, v [Lk, Hkv, D] -> [Lq, Hq, D]."""
+# A whole causal prompt on CUDA: SDPA picks cuDNN's kernel, faster than flash from ~2K tokens (H100, bf16, warm:
+# 0.60-0.66x flash's time at head_dim 64, 0.51-0.60x at 128), but cuDNN builds a graph for every new shape, 43-59 ms
+# each in a kernel alone on the H100, 45-95 ms in a prefill (and ~0.7 s for the first in a process); flash builds
+# nothing. A user's prompts are mostly lengths never seen before (the first question about each document): so a
+# length runs flash in the first two engine steps that meet it (in every layer of each), and cuDNN from the third
+# (its graph built once, then kept): a turn run again with another policy compares like with like, a benchmark's
+# repeats get cuDNN's pace. Past FLASH_NEW_WORK (lq² · Hq · D of one layer) cuDNN's gain over a prefill's layers
+# outweighs its build: the break-even measured ~10K tokens at 32 heads of 128 (Qwen3-4B: 36 layers, 30 ms lost to
+# flash at 8K), ~30K at 9 heads of 64 (the default model). Calls without a step get SDPA's own choice.
+FLASH_NEW_WORK = 2 ** 39
+FLASH_STEPS = 2
+_FLASH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_seen: dict[tuple, list[int]] = {}     # (lq, Hq, D, Hkv, dtype, device) -> [the last step that ran it, steps that did]
+
+
+def _flash_first(lq: int, q: torch.Tensor, k: torch.Tensor, step: int | None) -> bool:
+    if step is None or not q.is_cuda or lq * lq * q.shape[1] * q.shape[2] >= FLASH_NEW_WORK:
+        return False
+    seen = _seen.setdefault((lq, *q.shape[1:], k.shape[1], q.dtype, q.device), [step, 1])
+    if seen[0] != step:
+        seen[0], seen[1] = step, seen[1] + 1
+    return seen[1] <= FLASH_STEPS
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     step: int | None = None) -> torch.Tensor:
+    """q [Lq, Hq, D] are the last Lq of Lk positions; k, v [Lk, Hkv, D] -> [Lq, Hq, D]. `step`: the engine step
+    that asks (see above: a new prompt length runs flash on CUDA), None for SDPA's own choice."""
     lq, lk = q.shape[0], k.shape[0]
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if lq == lk:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        if _flash_first(lq, q, k, step):
+            with sdpa_kernel(_FLASH):
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:  # bottom-right aligned causal: query i sits at position lk - lq + i. Not as a boolean mask: on an H100 that
         # went to cuDNN, which built a graph per new (lq, lk), up to 1.4 s, so each question about a cached document
         # waited that long in its first layer; as a CausalBias it runs the flash kernel, no build
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk), scale=scale,
                                            enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def warm_up_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    """Load what a prefill's attention kernels load on their first call (cuDNN ~0.7 s, flash ~10 ms on an H100), so
+    that no user's prompt pays it: one short causal call on each."""
+    q = torch.zeros(64, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(64, num_kv_heads, head_dim, dtype=dtype, device=device)
+    causal_attention(q, kv, kv, 1.0)
+    causal_attention(q[:32], kv, kv, 1.0)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:

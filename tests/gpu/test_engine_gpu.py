@@ -95,3 +95,30 @@ def test_attention_over_a_cached_prefix_on_cuda():
         want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.repeat_interleave(3, 1))
         got = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125).float()
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def _kernels(fn):
+    """fn's result, and the names of the CUDA kernels it ran."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {e.name for e in prof.events() if str(e.device_type).endswith("CUDA")}
+
+
+def test_a_new_prompt_length_runs_flash_in_its_step_and_sdpas_choice_after():
+    """A whole prompt of a length never seen runs SDPA's flash kernel in every layer of the first two steps that
+    meet it (no cuDNN graph to build), and SDPA's own choice from the third on; the result is the same attention."""
+    from engine.ops.attention import causal_attention
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 3001
+    q, k, v = (torch.randn(n, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (9, 3, 3))
+    first, k1 = _kernels(lambda: causal_attention(q, k, v, 0.125, step=10**9))
+    again, k2 = _kernels(lambda: causal_attention(q, k, v, 0.125, step=10**9))      # another layer, same step
+    _, k2b = _kernels(lambda: causal_attention(q, k, v, 0.125, step=10**9 + 1))     # the next step
+    later, k3 = _kernels(lambda: causal_attention(q, k, v, 0.125, step=10**9 + 2))
+    _, own = _kernels(lambda: causal_attention(q, k, v, 0.125))
+    assert any("flash" in name for name in k1) and k1 == k2 == k2b, (k1, k2, k2b)
+    assert k3 == own, (k3, own)
+    torch.testing.assert_close(first, later, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
