@@ -13,7 +13,9 @@ loaded again). On CUDA those blocks stream in groups that fill a slot up to that
 on the default model, 8 on Qwen3-4B): one load, one attention and one merge per group and layer, not per block.
 Measured on an H100 (`python tools/chunked_prefill.py`: the default model's shape, random weights, bf16, four
 engines of each kind in two runs, alternating): a fresh 5.8K-token prompt's time to first token 5.1-6.0 -> 1.5-2.3
-s, a cached document with a 206-token question 0.77-0.92 -> 0.15-0.20 s. On the CPU one block at a time stays faster
+s, a cached document with a 206-token question 0.77-0.92 -> 0.15-0.20 s. Each partial attention is then one flash
+call that returns its log-sum-exp (attention_lse; it had been ~10 fp32 kernels and ~0.5 ms of host time): 1.25-1.94
+-> 0.87-1.08 s and 110-174 -> 77-101 ms (H100, one engine per tree, two rounds, four prompts each). On the CPU one block at a time stays faster
 (it stays in cache: 45.1 against 50.5 s on a 2-core machine), so prefill_group is 1 there.
 Decode is the one-token chunk; there the cost is not the bytes but the pieces: one load, one attention and one
 merge per earlier block and layer (at 6K tokens and 256-token blocks, 720 a token on the default model: 2

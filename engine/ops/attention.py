@@ -191,7 +191,25 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     q [Tq, Hq, D]; k, v head-major [Hkv, Tk, D] (any strides). causal: q are the last Tq of the Tk positions
     (bottom-right mask). -> out fp32 [Hkv, G, Tq, D], lse fp32 [Hkv, G, Tq] (G = Hq // Hkv query heads per
-    kv head; K/V are never repeated per query head)."""
+    kv head; K/V are never repeated per query head). On CUDA in 16 bits: one flash kernel call, which returns the
+    log-sum-exp too (a chunked prefill of the default model's 5.8K-token sample on an H100 made 1,350 of these
+    calls, each ~10 kernels and ~0.5 ms of host time in fp32)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        return _flash_lse(q, k, v, scale, causal)
+    return attention_lse_reference(q, k, v, scale, causal)
+
+
+def _flash_lse(q, k, v, scale: float, causal: bool):
+    """attention_lse on SDPA's flash kernel (GQA-native; its causal mask is bottom-right aligned when Tq < Tk)."""
+    tq, hq, d = q.shape
+    hkv = k.shape[0]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(0, 1)[None], k[None], v[None], 0.0, causal and tq > 1, False, scale=scale)[:2]
+    return out[0].float().view(hkv, hq // hkv, tq, d), lse[0, :, :tq].reshape(hkv, hq // hkv, tq)
+
+
+def attention_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False):
+    """attention_lse in plain torch, fp32 (the CPU path; the reference the CUDA path is tested against)."""
     tq, hq, d = q.shape
     hkv, tk = k.shape[0], k.shape[1]
     qg = q.float().reshape(tq, hkv, hq // hkv, d).permute(1, 2, 0, 3) * scale      # [Hkv, G, Tq, D]

@@ -122,3 +122,28 @@ def test_a_new_prompt_length_runs_flash_in_its_step_and_sdpas_choice_after():
     assert k3 == own, (k3, own)
     torch.testing.assert_close(first, later, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(first, again, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+def test_partial_attention_with_its_log_sum_exp_on_cuda_equals_the_fp32_reference(hq, hkv, d):
+    """Chunked offload's partial attention (flash on CUDA in bf16) gives the output and log-sum-exp of fp32 torch:
+    a chunk over itself (causal), the last rows of a longer span (causal, bottom-right), earlier blocks (not causal),
+    one query row; and two partials merge to the attention over both."""
+    from engine.ops.attention import attention_lse, attention_lse_reference, merge_lse
+    g = torch.Generator(device="cuda").manual_seed(d)
+    for tq, tk, causal in ((256, 256, True), (100, 356, True), (256, 768, False), (1, 300, False), (37, 37, True)):
+        q = torch.randn(tq, hq, d, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(hkv, tk, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+        out, lse = attention_lse(q, k, v, d ** -0.5, causal)
+        want, want_lse = attention_lse_reference(q, k, v, d ** -0.5, causal)
+        assert out.dtype == lse.dtype == torch.float32 and out.shape == want.shape and lse.shape == want_lse.shape
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-3)
+    q = torch.randn(64, hq, d, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(hkv, 512, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    a = attention_lse(q, k[:, :200], v[:, :200], d ** -0.5)
+    b = attention_lse(q, k[:, 200:], v[:, 200:], d ** -0.5, causal=False)
+    merged, merged_lse = merge_lse(*a, *b)
+    whole, whole_lse = attention_lse_reference(q, k, v, d ** -0.5)
+    torch.testing.assert_close(merged, whole, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(merged_lse, whole_lse, atol=2e-2, rtol=1e-3)
