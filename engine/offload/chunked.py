@@ -15,7 +15,9 @@ Measured on an H100 (`python tools/chunked_prefill.py`: the default model's shap
 engines of each kind in two runs, alternating): a fresh 5.8K-token prompt's time to first token 5.1-6.0 -> 1.5-2.3
 s, a cached document with a 206-token question 0.77-0.92 -> 0.15-0.20 s. Each partial attention is then one flash
 call that returns its log-sum-exp (attention_lse; it had been ~10 fp32 kernels and ~0.5 ms of host time): 1.25-1.94
--> 0.87-1.08 s and 110-174 -> 77-101 ms (H100, one engine per tree, two rounds, four prompts each). On the CPU one block at a time stays faster
+-> 0.87-1.08 s and 110-174 -> 77-101 ms (H100, one engine per tree, two rounds, four prompts each); and as flash
+keeps no scores, a group fills a whole slot (the Qwen3-4B shape had groups of 8 blocks): at 16K tokens of that shape
+6.9-10.0 -> 4.6-7.0 s fresh, 146-271 -> 56-105 ms with the document cached (`.devrun` scratch, the same way). On the CPU one block at a time stays faster
 (it stays in cache: 45.1 against 50.5 s on a 2-core machine), so prefill_group is 1 there.
 Decode is the one-token chunk; there the cost is not the bytes but the pieces: one load, one attention and one
 merge per earlier block and layer (at 6K tokens and 256-token blocks, 720 a token on the default model: 2
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.attention import attention_lse, lse_output, merge_lse
+from engine.ops.attention import attention_lse, flash_lse, lse_output, merge_lse
 from engine.offload.decode_graphs import DecodeGraphs
 from engine.offload.runner import OffloadRunner
 from engine.offload.streams import wait_on
@@ -50,7 +52,8 @@ from engine.trace.events import COMPUTE, COMPUTING
 
 DECODE_GROUP_BYTES = 256 << 20   # a ring slot's room for decode's groups of earlier blocks (one layer's KV)
 PREFILL_SCORES_BYTES = 64 << 20  # a prefill chunk's attention scores over one group of earlier blocks (fp32; the
-                                 # softmax makes a second such tensor): the activation bound of a prefill chunk
+                                 # softmax makes a second such tensor): the activation bound of a prefill chunk where
+                                 # attention_lse materializes them (not where it runs flash: there a whole slot)
 
 
 class ChunkedRunner(OffloadRunner):
@@ -61,8 +64,11 @@ class ChunkedRunner(OffloadRunner):
         layer_block = self.block_bytes // self.args.num_layers            # one block of one layer
         self.group = max(1, min(self.max_blocks_per_seq, DECODE_GROUP_BYTES // layer_block))
         scores_per_block = self.args.num_heads * self.block_size ** 2 * 4      # a chunk over one block, fp32
-        self.prefill_group = (max(1, min(self.group, PREFILL_SCORES_BYTES // scores_per_block))
-                              if self.device.type == "cuda" else 1)   # (CPU: one block at a time stays in cache)
+        if flash_lse(self.device, self.dtype, self.args.head_dim):             # no scores in memory: a whole slot
+            self.prefill_group = self.group
+        else:                                                   # (CPU: one block at a time stays in cache)
+            self.prefill_group = max(1, min(self.group, PREFILL_SCORES_BYTES // scores_per_block)) \
+                if self.device.type == "cuda" else 1
         oe = self._engine(self.config.ring_slots, self.group)
         table = torch.arange(self.group, dtype=torch.int32, device=self.device)[None]
         self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, table, self.chunk_tokens)

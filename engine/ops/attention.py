@@ -194,9 +194,14 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     kv head; K/V are never repeated per query head). On CUDA in 16 bits: one flash kernel call, which returns the
     log-sum-exp too (a chunked prefill of the default model's 5.8K-token sample on an H100 made 1,350 of these
     calls, each ~10 kernels and ~0.5 ms of host time in fp32)."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+    if flash_lse(q.device, q.dtype, q.shape[-1]):
         return _flash_lse(q, k, v, scale, causal)
     return attention_lse_reference(q, k, v, scale, causal)
+
+
+def flash_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """attention_lse runs one flash kernel here (no [Tq, Tk] scores in memory), else the fp32 reference."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def _flash_lse(q, k, v, scale: float, causal: bool):
