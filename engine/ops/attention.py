@@ -8,6 +8,7 @@ decode uses our Triton split-K kernel on CUDA and a grouped matmul-softmax-matmu
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -201,7 +202,14 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def flash_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """attention_lse runs one flash kernel here (no [Tq, Tk] scores in memory), else the fp32 reference."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and \
+        head_dim <= 256 and _flash_gpu(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_gpu(index: int) -> bool:
+    """SDPA's flash kernel runs on this GPU (compute capability 8.0 and up: Ampere, Hopper, ...)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def _flash_lse(q, k, v, scale: float, causal: bool):
