@@ -17,8 +17,9 @@ s, a cached document with a 206-token question 0.77-0.92 -> 0.15-0.20 s. Each pa
 call that returns its log-sum-exp (attention_lse; it had been ~10 fp32 kernels and ~0.5 ms of host time): 1.25-1.94
 -> 0.87-1.08 s and 110-174 -> 77-101 ms (H100, one engine per tree, two rounds, four prompts each); and as flash
 keeps no scores, a group fills a whole slot (the Qwen3-4B shape had groups of 8 blocks): at 16K tokens of that shape
-6.9-10.0 -> 4.6-7.0 s fresh, 146-271 -> 56-105 ms with the document cached (`.devrun` scratch, the same way). On the CPU one block at a time stays faster
-(it stays in cache: 45.1 against 50.5 s on a 2-core machine), so prefill_group is 1 there.
+6.9-10.0 -> 4.6-7.0 s fresh, 146-271 -> 56-105 ms with the document cached (`.devrun` scratch, the same way). On
+the CPU one block at a time stays faster (it stays in cache: 45.1 against 50.5 s on a 2-core machine), so
+prefill_group is 1 there.
 Decode is the one-token chunk; there the cost is not the bytes but the pieces: one load, one attention and one
 merge per earlier block and layer (at 6K tokens and 256-token blocks, 720 a token on the default model: 2
 tokens/s on an H100). So a slot holds up to DECODE_GROUP_BYTES of one layer's blocks, and a decode step streams

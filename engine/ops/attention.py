@@ -82,7 +82,8 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: floa
 # (its graph built once, then kept): a turn run again with another policy compares like with like, a benchmark's
 # repeats get cuDNN's pace. Past FLASH_NEW_WORK (lq² · Hq · D of one layer) cuDNN's gain over a prefill's layers
 # outweighs its build: the break-even measured ~10K tokens at 32 heads of 128 (Qwen3-4B: 36 layers, 30 ms lost to
-# flash at 8K), ~30K at 9 heads of 64 (the default model). Calls without a step get SDPA's own choice.
+# flash at 8K), ~30K at 9 heads of 64 (the default model). Calls without a step get SDPA's own choice. (sdpa_kernel
+# sets process-wide flags for the call: the app's engine has a process of its own.)
 FLASH_NEW_WORK = 2 ** 39
 FLASH_STEPS = 2
 _FLASH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
