@@ -107,7 +107,8 @@ def _answer(tok, model) -> str:
     inputs = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt",
                                      return_dict=True)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+        out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                             max_new_tokens=12, do_sample=False)   # (4.x adds token_type_ids, which generate refuses)
     return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
