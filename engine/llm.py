@@ -195,7 +195,8 @@ class LLM:
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
-            raise ConfigError("this engine has random weights and no tokenizer: pass token ids, not text")
+            raise ConfigError("this engine has no tokenizer (random weights, or a model folder without tokenizer.json "
+                              "or tokenizer.model): pass token ids, not text, or add the tokenizer files")
         return self.tokenizer
 
     def count_tokens(self, text: str) -> int:

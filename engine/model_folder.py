@@ -24,13 +24,23 @@ def resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
     return path
 
 
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_tokenizer(model_dir: Path):
-    """The folder's tokenizer (transformers' AutoTokenizer, from local files only), without a length limit."""
+    """The folder's tokenizer (transformers' AutoTokenizer, from local files only), without a length limit; None
+    where the folder has no vocabulary file (the engine then takes token ids only: transformers 5 would hand back
+    an empty tokenizer that encodes every text to nothing, transformers 4 an error)."""
+    if not any((model_dir / name).is_file() for name in VOCAB_FILES):
+        return None
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise ModelError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); the folder "
                          "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+    if len(tok) < 2:
+        raise ModelError(f"{model_dir}: its tokenizer files hold no vocabulary; the folder needs tokenizer.json or "
+                         "tokenizer.model with tokenizer_config.json")
     tok.model_max_length = 1 << 40  # the engine checks lengths itself, against the real limits, with better words
     return tok

@@ -125,3 +125,16 @@ def test_close_joins_every_engine_thread(default_model_dir, tmp_path, mode):
         assert "kvscope-kv-writer" in started() and (mode == "gpu" or "kvscope-h2d" in started())
     assert started() == []
     llm.close()                                                                      # idempotent
+
+
+def test_a_model_folder_without_tokenizer_files_takes_token_ids_and_says_so_for_text(tmp_path):
+    """No vocabulary file: the engine loads and answers token ids; text gets one line naming the missing files
+    (transformers 5 would have handed back an empty tokenizer that turns every text into no tokens)."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    with LLM(str(tmp_path), device="cpu", kv_store=None, max_model_len=64) as llm:
+        assert llm.tokenizer is None
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3
+        with pytest.raises(ConfigError, match="tokenizer.json or tokenizer.model"):
+            llm.count_tokens("hello")
