@@ -252,6 +252,7 @@ def _chat(args) -> int:
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams
+    from engine.llm import check_config
     from engine.trace import TraceRecorder, write_chrome_trace
 
     doc_path = args.document or SAMPLE
@@ -273,6 +274,7 @@ def _chat(args) -> int:
                   host_kv_gb=args.host_kv_gb, prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size,
                   policy=policy, policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
                   kv_store_gb=args.kv_store_gb)
+    check_config(**engine)                            # a folder without tokenizer files, say: before loading
     with LLM(progress=_progress, recorder=recorder, **engine) as llm:   # closed at the end: threads joined, last writes done
         llm.warm_up(_progress)                        # CUDA: compiled and captured before the question, not in it
         messages = document_messages(document.text, question, document.name, args.system)
