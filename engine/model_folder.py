@@ -27,9 +27,13 @@ def resolve_model_dir(model: str | None, progress: Progress | None) -> Path:
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
+def _has_vocabulary(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in VOCAB_FILES)
+
+
 def check_tokenizer_files(model_dir: Path) -> None:
     """ModelError unless the folder has a vocabulary file: a chat needs text in and out (the engine alone does not)."""
-    if not any((model_dir / name).is_file() for name in VOCAB_FILES):
+    if not _has_vocabulary(model_dir):
         raise ModelError(f"{model_dir}: no tokenizer files; a chat needs tokenizer.json, or tokenizer.model with "
                          "tokenizer_config.json, beside config.json")
 
@@ -38,7 +42,7 @@ def load_tokenizer(model_dir: Path):
     """The folder's tokenizer (transformers' AutoTokenizer, from local files only), without a length limit; None
     where the folder has no vocabulary file (the engine then takes token ids only: transformers 5 would hand back
     an empty tokenizer that encodes every text to nothing, transformers 4 an error)."""
-    if not any((model_dir / name).is_file() for name in VOCAB_FILES):
+    if not _has_vocabulary(model_dir):
         return None
     from transformers import AutoTokenizer
     try:
