@@ -252,7 +252,7 @@ def _chat(args) -> int:
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.llm import check_config
+    from engine.config import check_config
     from engine.trace import TraceRecorder, write_chrome_trace
 
     doc_path = args.document or SAMPLE

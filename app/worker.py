@@ -117,7 +117,7 @@ class EngineWorker(WorkerBase):
             self.busy.emit(False)
 
     def _build(self, config: dict) -> None:
-        from engine.llm import check_config
+        from engine.config import check_config
         if self.llm is not None and config == self.engine_config:
             return
         if self.llm is not None and _without_policy(config) == _without_policy(self.engine_config):

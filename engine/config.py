@@ -95,3 +95,22 @@ class EngineConfig:
         if self.dtype is not None:
             return DTYPES[self.dtype]
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_config(**config) -> None:
+    """The cheap checks of an engine's settings, without loading anything: every setting's range, the policy (its
+    mode, each parameter against its spec) and the model folder (it exists, its config.json names a supported
+    architecture, it has tokenizer files). The app and the command line run them before loading. Raises
+    ModelError/ConfigError."""
+    from engine.model_folder import check_tokenizer_files, resolve_model_dir
+    from engine.models.registry import read_config
+    from engine.sparse import get_spec
+    cfg = EngineConfig.from_kwargs(**config)
+    spec = get_spec(cfg.policy)
+    spec.check_mode(cfg.mode)
+    spec.validate(cfg.policy_params)
+    if cfg.model is not None:
+        folder = resolve_model_dir(cfg.model, None)
+        read_config(folder)
+        check_tokenizer_files(folder)
+

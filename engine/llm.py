@@ -13,14 +13,14 @@ from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.offload.tier import model_identity, open_tier
 from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats, token_ends
-from engine.model_folder import check_tokenizer_files, load_tokenizer, resolve_model_dir
+from engine.model_folder import load_tokenizer, resolve_model_dir
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config
 from engine.sampling import SamplingParams
 from engine.runner import Runner, make_runner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.sparse import get_spec, make_policy
+from engine.sparse import make_policy
 from engine.step import StepContext
 from engine.trace.events import DECODE, HOST, LOAD, PREFILL, TOKENIZE
 from engine.trace.recorder import NULL_RECORDER, Recorder
@@ -397,19 +397,4 @@ class LLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-
-
-def check_config(**config) -> None:
-    """The cheap checks of an engine's settings, without loading anything: every setting's range, the policy (its
-    mode, each parameter against its spec) and the model folder (it exists, its config.json names a supported
-    architecture, it has tokenizer files). The app and the command line run them before loading. Raises
-    ModelError/ConfigError."""
-    cfg = EngineConfig.from_kwargs(**config)
-    spec = get_spec(cfg.policy)
-    spec.check_mode(cfg.mode)
-    spec.validate(cfg.policy_params)
-    if cfg.model is not None:
-        folder = resolve_model_dir(cfg.model, None)
-        read_config(folder)
-        check_tokenizer_files(folder)
 
