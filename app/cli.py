@@ -244,15 +244,20 @@ def check_output_path(path: Path, what: str, example: str = "trace.json") -> Non
 
 def _chat(args) -> int:
     policy, policy_kwargs = policy_name(args), policy_params(args)   # first: a bad value fails before any work
-    get_spec(policy).check_mode(args.mode)
     if args.trace is not None:
         check_output_path(args.trace, "--trace")
     if args.record is not None:
         check_output_path(args.record, "--record", "run.kvscope")
+    from engine.config import check_config
+    engine = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  mode=args.mode, ring_slots=args.ring_slots, gpu_kv_budget_gb=args.gpu_kv_budget,
+                  host_kv_gb=args.host_kv_gb, prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size,
+                  policy=policy, policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
+                  kv_store_gb=args.kv_store_gb)
+    check_config(**engine)        # every setting, the policy's mode, the model folder and its tokenizer files
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.config import check_config
     from engine.trace import TraceRecorder, write_chrome_trace
 
     doc_path = args.document or SAMPLE
@@ -269,12 +274,6 @@ def _chat(args) -> int:
         recorder = TraceRecorder(max_steps=args.max_new_tokens + 64, device=device)
     elif args.record is not None:                     # as the app records (a decode timeline 3-10 times a second)
         recorder = TraceRecorder.live(device, max_steps=args.max_new_tokens + 64, mode=args.mode)
-    engine = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  mode=args.mode, ring_slots=args.ring_slots, gpu_kv_budget_gb=args.gpu_kv_budget,
-                  host_kv_gb=args.host_kv_gb, prefill_chunk_tokens=args.prefill_chunk, kv_block_size=args.block_size,
-                  policy=policy, policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
-                  kv_store_gb=args.kv_store_gb)
-    check_config(**engine)                            # a folder without tokenizer files, say: before loading
     with LLM(progress=_progress, recorder=recorder, **engine) as llm:   # closed at the end: threads joined, last writes done
         llm.warm_up(_progress)                        # CUDA: compiled and captured before the question, not in it
         messages = document_messages(document.text, question, document.name, args.system)

@@ -113,4 +113,3 @@ def check_config(**config) -> None:
         folder = resolve_model_dir(cfg.model, None)
         read_config(folder)
         check_tokenizer_files(folder)
-

@@ -67,9 +67,10 @@ class ChunkedRunner(OffloadRunner):
         scores_per_block = self.args.num_heads * self.block_size ** 2 * 4      # a chunk over one block, fp32
         if flash_lse(self.device, self.dtype, self.args.head_dim):             # no scores in memory: a whole slot
             self.prefill_group = self.group
-        else:                                                   # (CPU: one block at a time stays in cache)
-            self.prefill_group = max(1, min(self.group, PREFILL_SCORES_BYTES // scores_per_block)) \
-                if self.device.type == "cuda" else 1
+        elif self.device.type == "cuda":
+            self.prefill_group = max(1, min(self.group, PREFILL_SCORES_BYTES // scores_per_block))
+        else:                                                                  # one block at a time stays in cache
+            self.prefill_group = 1
         oe = self._engine(self.config.ring_slots, self.group)
         table = torch.arange(self.group, dtype=torch.int32, device=self.device)[None]
         self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, table, self.chunk_tokens)
