@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.trace import fastjson
 from engine.trace.chrome import to_chrome_trace
 from engine.trace.events import LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span, StepTrace
 
@@ -155,13 +156,13 @@ def _default(v):
     return v.tolist() if isinstance(v, np.ndarray) else v.item() if isinstance(v, np.generic) else str(v)
 
 
-def _dumps(v) -> str:
+def _dumps(v) -> bytes:
     """Compact JSON of `v` as _jsonable makes it; numpy values are met by the encoder's `default`, so only a
     dict with keys JSON cannot take (numpy integers, say) costs the walk over everything."""
     try:
-        return json.dumps(v, default=_default, separators=(",", ":"))
+        return fastjson.dumps(v, default=_default)
     except TypeError:
-        return json.dumps(_jsonable(v), separators=(",", ":"))
+        return fastjson.dumps(_jsonable(v))
 
 
 def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
@@ -189,7 +190,7 @@ def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
             z.writestr("document.txt", rec.document)
             z.writestr("steps.json", _dumps(steps))
-            z.writestr("trace.json", json.dumps(to_chrome_trace(rec.steps), separators=(",", ":")))
+            z.writestr("trace.json", fastjson.dumps(to_chrome_trace(rec.steps)))
             z.writestr("arrays.npz", npz.getvalue(), zipfile.ZIP_STORED)   # (last: see load_recording)
         os.replace(tmp, path)
     except BaseException:

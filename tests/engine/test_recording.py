@@ -129,3 +129,20 @@ def test_truncated_corrupt_and_newer_recordings_are_refused(tmp_path):
             out.writestr(name, b'[{"step": 1}]' if name == "steps.json" else z.read(name))
     with pytest.raises(RecordingError, match="damaged"):
         load_recording(broken)
+
+
+@pytest.mark.parametrize("encoder", ["orjson", "json"])
+def test_both_json_encoders_write_the_recordings_values(encoder, monkeypatch):
+    """The fast encoder (orjson, where installed) and the standard library's write the same values: numpy values,
+    keys that are not strings, text that is not ASCII, and an integer too wide for orjson (the standard one takes it)."""
+    from engine.trace import fastjson
+    from engine.trace.recording import _default
+    if encoder == "json":
+        monkeypatch.setattr(fastjson, "orjson", None)
+    elif fastjson.orjson is None:
+        pytest.skip("orjson is not installed")
+    obj = {"t": [1, 2.5, 3053437.269, "é", None, True], "m": {"a": np.float32(0.25), "b": np.int64(7),
+                                                              "c": np.arange(3)}, 3: "three"}
+    assert json.loads(fastjson.dumps(obj, default=_default)) == {
+        "t": [1, 2.5, 3053437.269, "é", None, True], "m": {"a": 0.25, "b": 7, "c": [0, 1, 2]}, "3": "three"}
+    assert json.loads(fastjson.dumps({"wide": 2**70})) == {"wide": 2**70}
