@@ -4,28 +4,31 @@
     save_recording(rec, "run.kvscope")            # written beside, then renamed: never half a file
     rec = load_recording("run.kvscope")           # RecordingError (one line) for anything that is not one
 
-The format (version 2) is a zip archive, open to any tool:
+The format (version 3) is a zip archive, open to any tool:
 
-- `manifest.json`: {"format": "kvscope-recording", "version": 2, "created" (UTC, ISO 8601), "host", "platform",
+- `manifest.json`: {"format": "kvscope-recording", "version": 3, "created" (UTC, ISO 8601), "host", "platform",
   "app": {model, engine, document (name, path, tokens, encoding), sampling, system_prompt, panel},
-  "turns": [{question, answer, stats, engine, first_step, last_step, token_map (the name of its array or null),
+  "turns": [{question, answer, stats, engine, first_step, last_step, token_map (its array's reference or null),
   token_map_reason}], "n_steps", "narrowed": {array name: its dtype}}. `app` and each turn's `stats`/`engine` are
   what the app and the engine reported (free-form JSON, for the views).
 - `document.txt`: the document's text (UTF-8); Quest's pages map into it through a turn's token map.
 - `steps.json`: one object per engine step: step, phase, n_tokens, t0_us, t1_us, device, detailed, windows,
   metrics, `spans` as rows [lane, name, t0_us, t1_us, layer, bytes, slot, args], `slots` as rows [t_us, slot,
-  layer, state, tokens, capacity], `quest` (per bulk record: step, layers, n_pages, page_size and the names of its
+  layer, state, tokens, capacity], `quest` (per bulk record: step, layers, n_pages, page_size and the references of its
   pages / scores / positions arrays; single picks likewise), `masks` (per head: layer, head, n, density and the
-  names of its vertical / slash / image arrays). Times are µs on the recording engine's clock.
-- `arrays.npz`: the arrays those names refer to (numpy's npz, stored uncompressed): Quest pages int32 [layers, Hkv,
-  k], scores float32, positions int32 (a pick whose positions equal its pages names the pages' array for both);
-  masks' vertical and slash indices, mask images; token maps int32 [tokens, 2]. An integer array whose values fit
-  int16 is stored as int16 and listed in `narrowed` with its dtype, which a reader restores (version 1 had no
-  `narrowed`, and zip-compressed the npz: writing a 128K-token Quest turn's picks took seconds).
+  references of its vertical / slash / image arrays). Times are µs on the recording engine's clock.
+- `arrays.npz`: the arrays steps.json and the turns refer to (numpy's npz, stored uncompressed). Arrays of one kind,
+  shape and dtype are stacked into one (`pages3` [steps, ...]); a reference "pages3#5" is its row 5. Quest pages
+  int32 [layers, Hkv, k], scores float32, positions int32 (a pick whose positions equal its pages refers to the
+  pages for both); masks' vertical and slash indices, mask images; token maps int32 [tokens, 2]. An integer array
+  whose values fit int16 is stored as int16 and listed in `narrowed` with its dtype, which a reader restores.
+  (Version 2 kept an array per reference, named by it; version 1 also had no `narrowed`, and zip-compressed the
+  npz: writing a 128K-token Quest turn's picks took seconds.)
 - `trace.json`: the same steps as Chrome trace events: opens in Perfetto (ui.perfetto.dev) as it is.
 
 A reader refuses a newer version with a message that says so; fields it does not know are ignored, so a version
-adds fields without a new number unless an older reader would misread the file (version 2's int16 arrays).
+adds fields without a new number unless an older reader would misread the file (version 2's int16 arrays, version
+3's references).
 Nothing here imports torch or Qt.
 """
 from __future__ import annotations
@@ -49,7 +52,8 @@ from engine.trace.chrome import to_chrome_trace
 from engine.trace.events import LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span, StepTrace
 
 FORMAT = "kvscope-recording"
-VERSION = 2   # 2: integer arrays narrowed to int16 where they fit (`narrowed`); 1 is read too
+VERSION = 3   # 3: arrays stacked by kind, referred to by row; 2: integer arrays narrowed to int16 where they
+              # fit (`narrowed`); 1 and 2 are read too
 SUFFIX = ".kvscope"
 
 
@@ -86,49 +90,69 @@ class Recording:
 
 # ---------------------------------------------------------------------------------------------------- writing
 class _Arrays:
-    """Arrays by name, for arrays.npz. Integer arrays whose values fit int16 are kept as int16 (`narrowed`: their
-    names and dtypes, restored on reading): Quest's pages are most of a recording."""
+    """The arrays for arrays.npz, stacked: those of one kind, shape and dtype (a Quest pick's pages at every decode
+    step, say) are one array in the file, and a step names its row, "name#row". An npz pays a zip member for every
+    array (a 64-token Quest turn had 128 of them: ~5 ms of its write on this project's CPU, 1 ms stacked). Integer
+    arrays whose values fit int16 are stored as int16 (`narrowed`: their names and dtypes, restored on reading)."""
 
     def __init__(self):
-        self.data: dict[str, np.ndarray] = {}
-        self.narrowed: dict[str, str] = {}
+        self.names: dict[tuple, str] = {}           # (kind, shape, dtype) -> the stacked array's name
+        self.rows: dict[str, list[np.ndarray]] = {}
 
-    def put(self, name: str, a, same_as: str | None = None) -> str | None:
-        """Keep `a` as `name`; where it equals the array named `same_as`, keep nothing and return that name
-        (a Quest pick's positions are its pages when the pool holds one sequence in order)."""
+    def put(self, kind: str, a, same_as: str | None = None) -> str | None:
+        """Keep `a` as a row of its kind's array -> its reference; where it equals the array `same_as` refers to,
+        keep nothing and return that reference (a Quest pick's positions are its pages when the pool holds one
+        sequence in order)."""
         if a is None:
             return None
         a = np.asarray(a)
-        if same_as is not None and a.dtype == self.narrowed.get(same_as, self.data[same_as].dtype) and \
-                np.array_equal(self.data[same_as], a):
-            return same_as
-        if a.dtype.kind in "iu" and a.dtype.itemsize > 2 and a.size and a.min() >= -2**15 and a.max() < 2**15:
-            self.narrowed[name] = a.dtype.str
-            a = a.astype(np.int16)
-        self.data[name] = a
-        return name
+        if same_as is not None:
+            b = self[same_as]
+            if a.dtype == b.dtype and np.array_equal(a, b):
+                return same_as
+        key = (kind, a.shape, a.dtype.str)
+        name = self.names.get(key)
+        if name is None:
+            name = self.names[key] = f"{kind}{len(self.rows)}"
+            self.rows[name] = []
+        self.rows[name].append(a)
+        return f"{name}#{len(self.rows[name]) - 1}"
+
+    def __getitem__(self, ref: str) -> np.ndarray:
+        name, row = ref.rsplit("#", 1)
+        return self.rows[name][int(row)]
+
+    def stacked(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """-> the arrays by name, and `narrowed` (name -> dtype of the arrays stored as int16)."""
+        data, narrowed = {}, {}
+        for name, rows in self.rows.items():
+            a = np.stack(rows)
+            if a.dtype.kind in "iu" and a.dtype.itemsize > 2 and a.size and a.min() >= -2**15 and a.max() < 2**15:
+                narrowed[name] = a.dtype.str
+                a = a.astype(np.int16)
+            data[name] = a
+        return data, narrowed
 
 
 def _step_json(s: StepTrace, arrays: _Arrays) -> dict:
     lanes = {lane: i for i, lane in enumerate(LANES)}
-    p = f"s{s.step}_"
     quest = []
     picks = s.quest if isinstance(s.quest, QuestPicks) else QuestPicks(list(s.quest))
     single, bulk = picks.parts
-    for i, (step, layers, pages, scores, n_pages, positions, page_size) in enumerate(bulk):
-        at = arrays.put(f"{p}q{i}_pages", pages)
+    for step, layers, pages, scores, n_pages, positions, page_size in bulk:
+        at = arrays.put("pages", pages)
         quest.append({"step": int(step), "layers": [int(x) for x in layers], "n_pages": [int(x) for x in n_pages],
-                      "page_size": int(page_size), "pages": at, "scores": arrays.put(f"{p}q{i}_scores", scores),
-                      "positions": arrays.put(f"{p}q{i}_positions", positions, same_as=at)})
-    for i, q in enumerate(single):
-        at = arrays.put(f"{p}p{i}_pages", q.blocks)
+                      "page_size": int(page_size), "pages": at, "scores": arrays.put("scores", scores),
+                      "positions": arrays.put("positions", positions, same_as=at)})
+    for q in single:
+        at = arrays.put("pick_pages", q.blocks)
         quest.append({"single": True, "step": int(q.step), "layer": int(q.layer), "kv_head": int(q.kv_head),
                       "n_pages": int(q.n_blocks), "page_size": int(q.page_size), "pages": at,
-                      "scores": arrays.put(f"{p}p{i}_scores", q.scores),
-                      "positions": arrays.put(f"{p}p{i}_positions", q.positions, same_as=at)})
+                      "scores": arrays.put("pick_scores", q.scores),
+                      "positions": arrays.put("pick_positions", q.positions, same_as=at)})
     masks = [{"layer": int(m.layer), "head": int(m.head), "n": int(m.n), "density": float(m.density),
-              "vertical": arrays.put(f"{p}m{i}_v", m.vertical), "slash": arrays.put(f"{p}m{i}_s", m.slash),
-              "image": arrays.put(f"{p}m{i}_i", m.image)} for i, m in enumerate(s.masks)]
+              "vertical": arrays.put("vertical", m.vertical), "slash": arrays.put("slash", m.slash),
+              "image": arrays.put("mask", m.image)} for m in s.masks]
     return {"step": s.step, "phase": s.phase, "n_tokens": s.n_tokens, "t0_us": s.t0_us, "t1_us": s.t1_us,
             "device": s.device, "detailed": s.detailed, "windows": s.windows, "metrics": s.metrics,
             "spans": [[lanes.get(x.lane, x.lane), x.name, x.t0_us, x.t1_us, x.layer, x.bytes, x.slot, x.args]
@@ -165,24 +189,31 @@ def _dumps(v) -> bytes:
         return fastjson.dumps(_jsonable(v))
 
 
+def _platform() -> str:
+    """The system, as platform.platform() says it without its C library's version: finding that reads the Python
+    executable (~9 ms on this project's CPU, once a process: most of a short turn's `chat --record` write)."""
+    return f"{platform.system()}-{platform.release()}-{platform.machine()}"
+
+
 def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
     """Write `rec` to `path` (a temporary file beside it, then renamed). Returns the path."""
     path = Path(path)
     arrays = _Arrays()
     turns = []
-    for i, t in enumerate(rec.turns):
+    for t in rec.turns:
         turn = {k: v for k, v in t.items() if k != "token_map"}
-        turn["token_map"] = arrays.put(f"turn{i}_token_map", t.get("token_map"))
+        turn["token_map"] = arrays.put("token_map", t.get("token_map"))
         turns.append(_jsonable(turn))
     steps = [_step_json(s, arrays) for s in rec.steps]
+    data, narrowed = arrays.stacked()
     meta = {k: v for k, v in rec.meta.items() if k not in ("format", "version", "turns", "n_steps", "source")}
     manifest = {"format": FORMAT, "version": VERSION,
                 "created": meta.pop("created", None) or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "host": meta.pop("host", None) or socket.gethostname(),
-                "platform": meta.pop("platform", None) or platform.platform(), **_jsonable(meta),
-                "turns": turns, "n_steps": len(steps), "narrowed": arrays.narrowed}
+                "platform": meta.pop("platform", None) or _platform(), **_jsonable(meta),
+                "turns": turns, "n_steps": len(steps), "narrowed": narrowed}
     npz = io.BytesIO()
-    np.savez(npz, **arrays.data)          # stored as it is: compressing it took most of a 128K turn's write
+    np.savez(npz, **data)                 # stored as it is: compressing it took most of a 128K turn's write
     fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -200,9 +231,9 @@ def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------- reading
-def _step(d: dict, arrays) -> StepTrace:
+def _step(d: dict, get) -> StepTrace:
+    """A step from its steps.json object; get(reference) -> the array it names (None for None)."""
     lanes = dict(enumerate(LANES))
-    get = (lambda name: None if name is None else arrays[name])
     single, bulk = [], []
     for q in d.get("quest", []):
         if q.get("single"):
@@ -246,7 +277,7 @@ def load_recording(path: str | os.PathLike) -> Recording:
             steps_json = json.loads(z.read("steps.json"))
             with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
-            for k, dtype in (manifest.get("narrowed") or {}).items():     # (version 2)
+            for k, dtype in (manifest.get("narrowed") or {}).items():     # (versions 2 and 3)
                 arrays[k] = arrays[k].astype(dtype)
     except RecordingError:
         raise
@@ -256,12 +287,20 @@ def load_recording(path: str | os.PathLike) -> Recording:
     except (KeyError, ValueError, OSError, UnicodeDecodeError) as e:
         raise RecordingError(f"{path}: a damaged kvscope recording ({type(e).__name__}: {e}); record it "
                              "again") from None
+    def get(ref):       # version 3: "name#row" of a stacked array; before: an array's name
+        if ref is None:
+            return None
+        if version < 3:
+            return arrays[ref]
+        name, row = ref.rsplit("#", 1)
+        return arrays[name][int(row)]
+
     try:
-        steps = [_step(d, arrays) for d in steps_json]
+        steps = [_step(d, get) for d in steps_json]
         turns = []
         for t in manifest.get("turns", []):
             turn = dict(t)
-            turn["token_map"] = arrays[t["token_map"]] if t.get("token_map") else None
+            turn["token_map"] = get(t.get("token_map") or None)
             turns.append(turn)
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise RecordingError(f"{path}: a damaged kvscope recording (its steps do not read: {type(e).__name__}: "

@@ -47,41 +47,60 @@ def test_a_quest_turn_round_trips_with_its_picks_spans_and_token_map(default_mod
     assert back.document == rec.document and back.turns[0]["answer"] == rec.turns[0]["answer"]
     assert back.turns[0]["stats"] == json.loads(json.dumps(rec.turns[0]["stats"]))
     np.testing.assert_array_equal(back.turns[0]["token_map"], rec.turns[0]["token_map"])
-    assert back.turn_steps(0) == back.steps and back.meta["version"] == 2 and back.meta["host"]
+    assert back.turn_steps(0) == back.steps and back.meta["version"] == 3 and back.meta["host"]
     assert {p.blocks.dtype for s in back.steps for p in s.quest} == {p.blocks.dtype for s in rec.steps for p in s.quest}
     with zipfile.ZipFile(tmp_path / "q.kvscope") as z:              # the trace inside opens in Perfetto as it is
         assert check_chrome_trace(json.loads(z.read("trace.json"))) == []
         names = np.load(io.BytesIO(z.read("arrays.npz"))).files
-    assert [n for n in names if n.endswith("_pages")] and not [n for n in names if n.endswith("_positions")], \
+    decode_picks = sum(len(s.quest.parts[1]) for s in rec.steps if s.phase == "decode")
+    assert decode_picks >= 2 and len([n for n in names if n.startswith("pages")]) == 1, \
+        "every decode step's picks have one shape: one stacked array"
+    assert not [n for n in names if n.startswith("positions")], \
         "one sequence in the pool: a pick's positions are its pages, stored once"
     assert back.meta["narrowed"] and set(back.meta["narrowed"]) <= set(names)
 
 
-def test_a_version_1_recording_still_opens(default_model_dir, tmp_path):
-    """Version 1 kept int32 arrays, each pick's positions apart, in a compressed npz, with no `narrowed`."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_recording_of_an_older_version_still_opens(default_model_dir, tmp_path, version):
+    """Version 2 kept an array per reference (named by it); version 1 also kept int32 arrays, each pick's positions
+    apart, in a compressed npz, with no `narrowed`."""
     rec = record(default_model_dir, "quest", QUEST, list(range(2000, 2900)))
-    new = save_recording(rec, tmp_path / "v2.kvscope")
-    old = tmp_path / "v1.kvscope"
+    new = save_recording(rec, tmp_path / "v3.kvscope")
+    old = tmp_path / f"v{version}.kvscope"
     with zipfile.ZipFile(new) as z, zipfile.ZipFile(old, "w", zipfile.ZIP_DEFLATED) as out:
         manifest = json.loads(z.read("manifest.json"))
         steps = json.loads(z.read("steps.json"))
-        arrays = dict(np.load(io.BytesIO(z.read("arrays.npz"))))
-        arrays = {k: a.astype(manifest["narrowed"].get(k, a.dtype)) for k, a in arrays.items()}
+        stacked = dict(np.load(io.BytesIO(z.read("arrays.npz"))))
+        stacked = {k: a.astype(manifest["narrowed"].get(k, a.dtype)) for k, a in stacked.items()}
+        arrays = {}
+
+        def unstack(ref):
+            if ref is None:
+                return None
+            name, row = ref.split("#")
+            arrays[f"{name}_{row}"] = stacked[name][int(row)]
+            return f"{name}_{row}"
         for d in steps:
             for q in d["quest"]:
-                q["positions"] = q["pages"].replace("_pages", "_positions")
-                arrays[q["positions"]] = arrays[q["pages"]].copy()
+                q["pages"], q["scores"] = unstack(q["pages"]), unstack(q["scores"])
+                q["positions"] = q["pages"]
+                if version == 1:
+                    q["positions"] = q["pages"].replace("pages", "positions")
+                    arrays[q["positions"]] = arrays[q["pages"]].copy()
+        for t in manifest["turns"]:
+            t["token_map"] = unstack(t["token_map"])
         npz = io.BytesIO()
         np.savez(npz, **arrays)
         del manifest["narrowed"]
-        out.writestr("manifest.json", json.dumps({**manifest, "version": 1}))
+        out.writestr("manifest.json", json.dumps({**manifest, "version": version}))
         out.writestr("steps.json", json.dumps(steps))
         out.writestr("arrays.npz", npz.getvalue())
         for name in ("document.txt", "trace.json"):
             out.writestr(name, z.read(name))
     back = load_recording(old)
-    assert back.meta["version"] == 1
+    assert back.meta["version"] == version
     same_steps(rec.steps, back.steps)
+    np.testing.assert_array_equal(back.turns[0]["token_map"], rec.turns[0]["token_map"])
 
 
 def test_a_minference_prefill_round_trips_with_its_masks(default_model_dir, tmp_path):
