@@ -111,6 +111,7 @@ def _counters(steps: list[StepTrace]) -> list[dict]:
     out = []
     state: dict[int, str] = {}
     counts = {k: 0 for k in SLOT_STATES}       # slots in each state, kept as states change
+    named: dict[str, bool] = {}                # metric name -> is it a counter
     for st in steps:
         for s in st.slots:
             old = state.get(s.slot)
@@ -123,7 +124,10 @@ def _counters(steps: list[StepTrace]) -> list[dict]:
             out.append({"ph": "C", "pid": _PID, "tid": 0, "name": "ring slots", "ts": round(s.t_us, 3),
                         "args": dict(counts)})
         for k, v in st.metrics.items():
-            if (k.startswith("mem_") or k.startswith("gpu_mem")) and _is_number(v):
+            counter = named.get(k)
+            if counter is None:                # (a Quest step has ~60 metrics: each key is looked at once)
+                counter = named[k] = k.startswith(("mem_", "gpu_mem"))
+            if counter and _is_number(v):
                 out.append({"ph": "C", "pid": _PID, "tid": 0, "name": k, "ts": round(st.t1_us, 3),
                             "args": {"value": float(v)}})
     return out
