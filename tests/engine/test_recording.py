@@ -153,7 +153,8 @@ def test_truncated_corrupt_and_newer_recordings_are_refused(tmp_path):
 @pytest.mark.parametrize("encoder", ["orjson", "json"])
 def test_both_json_encoders_write_the_recordings_values(encoder, monkeypatch):
     """The fast encoder (orjson, where installed) and the standard library's write the same values: numpy values,
-    keys that are not strings, text that is not ASCII, and an integer too wide for orjson (the standard one takes it)."""
+    keys that are not strings, text that is not ASCII, and an integer too wide for orjson (the standard one takes
+    it)."""
     from engine.trace import fastjson
     from engine.trace.recording import _default
     if encoder == "json":
