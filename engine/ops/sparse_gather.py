@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.ops.attention import flash_cpu as _flash
 from engine.ops.sparse_prefill import causal_pairs, kept_first
 
 _CHUNK_FLOATS = 1 << 22    # one batch's scores: 16 MiB of fp32
-_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")   # torch's, with the LSE
 
 
 def keep_density(keep: torch.Tensor, block: int, tq: int, tk: int) -> float:
@@ -37,21 +37,6 @@ def _chunks(counts: list[int], block: int) -> list[tuple[int, int, int]]:
             out.append((first, i, counts[i - 1]))
             first = i
     return out
-
-
-def _flash(q, k, v, scale, mask=None, causal=False):
-    """(out, log-sum-exp) of attention [B, H, Lq, D] x [B, H, Lk, D]: torch's fused CPU kernel, which takes a
-    broadcast additive mask and returns the LSE; plain matmul-softmax-matmul where that op is missing."""
-    if _CPU_FLASH and not q.is_cuda:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                           scale=scale)[:2]
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    if mask is not None:
-        s = s + mask
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]).nan_to_num_(0.0), v), lse
 
 
 @torch.no_grad()

@@ -162,7 +162,7 @@ def _by_hand(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.repeat_interleave(g, 1))
 
 
-@pytest.mark.parametrize("lq, lk", [(7, 7), (1, 40), (5, 40), (33, 41)])
+@pytest.mark.parametrize("lq, lk", [(7, 7), (1, 40), (5, 40), (33, 41), (300, 1100)])
 def test_causal_attention_over_a_cached_prefix_is_bottom_right_aligned(lq, lk):
     """New tokens after a cached prefix: query i sits at position lk - lq + i (a question about a cached document)."""
     torch.manual_seed(lq)

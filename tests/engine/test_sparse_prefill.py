@@ -247,10 +247,10 @@ def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
 @pytest.mark.parametrize("fused", [True, False])    # torch's fused CPU kernel, or the plain fallback without it
 @pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
 def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, hint, monkeypatch):
-    from engine.ops import sparse_gather
+    from engine.ops import attention
     from engine.ops.sparse_gather import gathered_attention, keep_density
     from engine.ops.sparse_prefill import block_sparse_keep
-    monkeypatch.setattr(sparse_gather, "_CPU_FLASH", fused and sparse_gather._CPU_FLASH)
+    monkeypatch.setattr(attention, "_CPU_FLASH", fused and attention._CPU_FLASH)
     q, k, v = inputs(tq, tk)
     nqb, nkb = -(-tq // block), -(-tk // block)
     blocks = torch.rand(4, nqb, nkb, generator=torch.Generator().manual_seed(5)) < 0.4
