@@ -43,7 +43,7 @@ def to_chrome_trace(steps: Iterable[StepTrace], process_name: str = "kvscope") -
     items: dict[str, list] = {name: [] for name in tids}
     for st in steps:
         args = {"step": st.step, "phase": st.phase, "n_tokens": st.n_tokens, "device": st.device,
-                **{k: _jsonable(v) for k, v in st.metrics.items()}}
+                **{k: jsonable(v) for k, v in st.metrics.items()}}
         items[STEPS_TRACK].append((st.t0_us, st.t1_us, st.label, args))
         for sp in st.spans:
             a = {"step": st.step}
@@ -56,7 +56,7 @@ def to_chrome_trace(steps: Iterable[StepTrace], process_name: str = "kvscope") -
                 if sp.dur_us > 0:
                     a["GB/s"] = round(sp.bytes / (sp.dur_us * 1e3), 3)
             if sp.args:
-                a.update({str(k): _jsonable(v) for k, v in sp.args.items()})
+                a.update({str(k): jsonable(v) for k, v in sp.args.items()})
             items[sp.lane].append((sp.t0_us, sp.t1_us, sp.name, a))
 
     events: list[dict] = [{"ph": "M", "pid": _PID, "tid": 0, "name": "process_name", "args": {"name": process_name}}]
@@ -242,7 +242,7 @@ def _is_number(v) -> bool:
 _PLAIN = frozenset((str, bool, int, type(None)))
 
 
-def _jsonable(v):
+def jsonable(v):
     """Numpy scalars/arrays and other odd values as plain JSON values (NaN / inf become null)."""
     t = type(v)                       # (the plain types first: a step's metrics are most of a trace's values)
     if t is float:
@@ -250,7 +250,7 @@ def _jsonable(v):
     if t in _PLAIN:
         return v
     if t is dict:
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if v is None or isinstance(v, (str, bool)):
         return v
     if isinstance(v, numbers.Integral):
@@ -258,9 +258,9 @@ def _jsonable(v):
     if isinstance(v, numbers.Real):
         return float(v) if math.isfinite(v) else None
     if hasattr(v, "tolist"):
-        return _jsonable(v.tolist())
+        return jsonable(v.tolist())
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     return str(v)

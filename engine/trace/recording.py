@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.trace import fastjson
-from engine.trace.chrome import to_chrome_trace
+from engine.trace.chrome import jsonable, to_chrome_trace
 from engine.trace.events import LANES, MaskSummary, QuestPick, QuestPicks, SlotState, Span, StepTrace
 
 FORMAT = "kvscope-recording"
@@ -161,32 +161,18 @@ def _step_json(s: StepTrace, arrays: _Arrays) -> dict:
             "quest": quest, "masks": masks}
 
 
-def _jsonable(v):
-    """numpy scalars and arrays in free-form dicts (stats, configs) as plain JSON values."""
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    return str(v)
-
-
 def _default(v):
     return v.tolist() if isinstance(v, np.ndarray) else v.item() if isinstance(v, np.generic) else str(v)
 
 
 def _dumps(v) -> bytes:
-    """Compact JSON of `v` as _jsonable makes it; numpy values are met by the encoder's `default`, so only a
-    dict with keys JSON cannot take (numpy integers, say) costs the walk over everything."""
+    """Compact JSON of `v` as chrome.jsonable makes it (a float that is not finite: null, as orjson writes it);
+    numpy values are met by the encoder's `default`, so only a dict with keys JSON cannot take (numpy integers, say)
+    costs the walk over everything."""
     try:
         return fastjson.dumps(v, default=_default)
     except TypeError:
-        return fastjson.dumps(_jsonable(v))
+        return fastjson.dumps(jsonable(v))
 
 
 def _platform() -> str:
@@ -203,14 +189,14 @@ def save_recording(rec: Recording, path: str | os.PathLike) -> Path:
     for t in rec.turns:
         turn = {k: v for k, v in t.items() if k != "token_map"}
         turn["token_map"] = arrays.put("token_map", t.get("token_map"))
-        turns.append(_jsonable(turn))
+        turns.append(jsonable(turn))
     steps = [_step_json(s, arrays) for s in rec.steps]
     arrays_by_name, narrowed = arrays.stacked()
     meta = {k: v for k, v in rec.meta.items() if k not in ("format", "version", "turns", "n_steps", "source")}
     manifest = {"format": FORMAT, "version": VERSION,
                 "created": meta.pop("created", None) or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "host": meta.pop("host", None) or socket.gethostname(),
-                "platform": meta.pop("platform", None) or _platform(), **_jsonable(meta),
+                "platform": meta.pop("platform", None) or _platform(), **jsonable(meta),
                 "turns": turns, "n_steps": len(steps), "narrowed": narrowed}
     npz = io.BytesIO()
     np.savez(npz, **arrays_by_name)       # stored as it is: compressing it took most of a 128K turn's write
