@@ -93,6 +93,19 @@ def write_bundle(folder: Path, window: QPixmap, views: dict[str, QWidget], chat:
     return written
 
 
+def window_bundle(win, folder: Path) -> Path:
+    """Write window.png, a PNG of each view registered with export=True (timeline, ring, quest, masks, metrics) and
+    chat.png, trace.json (the last turn), chat.md, chat.json and config.json of a MainWindow into `folder`, or into a
+    new timestamped subfolder when `folder` is not empty; returns it. A folder that cannot be written raises
+    ExportError (an OSError, one line) before anything is drawn."""
+    out = bundle_folder(Path(folder))
+    steps = None if "ask" in win.requests else list(win.worker.turn_steps)   # never read while it changes
+    views = {spec.name: win.views[spec.name] for spec in win.view_specs if spec.export}
+    views["chat"] = win.chat
+    write_bundle(out, win.grab(), views, win.chat, steps, win.describe())
+    return out
+
+
 def export_chat_dialog(win) -> None:
     """File → Export chat: Markdown or JSON, where the user says (the dialog asks before overwriting)."""
     from PySide6.QtWidgets import QFileDialog

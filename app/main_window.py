@@ -20,7 +20,6 @@ app/replay.py, which builds such windows).
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,10 +28,11 @@ from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtWidgets import QDockWidget, QFileDialog, QMainWindow, QWidget
 
 from app import pyside_guard
-from app.bundle import bundle_folder, write_bundle
+from app.bundle import window_bundle
 from app.menus import build_menus
 from app.quest_highlight import QuestHighlight
 from app.record import Conversation
+from app.requests import Requests
 from app.samples import SAMPLE
 from app.settings import restore_settings, save_settings
 from app.status import StatusBar
@@ -106,9 +106,7 @@ class MainWindow(QMainWindow):
         self.document_info: dict = {}
         self.conversation = Conversation()    # the finished turns with their steps (File → Save recording)
         self.compare_with: int | None = None   # the turn an "ask again" answer is compared with when it ends
-        self._pending: deque[str] = deque()   # kinds of the requests sent and not finished: "load" "open" "ask"
-        self._head_started = False            # the oldest pending request has begun (busy(True) seen)
-        self._stop_when_started = False       # Stop pressed before the pending question began
+        self.requests = Requests()            # sent to the worker and not finished (app/requests.py)
         self._closed = False
         self.setWindowTitle("kvscope")
         self.resize(1400, 900)
@@ -190,7 +188,7 @@ class MainWindow(QMainWindow):
         return engine_kwargs(self.policy_panel.config(), self.engine_overrides)
 
     def _request(self, kind: str, signal, *args) -> None:
-        self._pending.append(kind)
+        self.requests.add(kind)
         signal.emit(*args)
 
     @Slot(str)
@@ -222,8 +220,7 @@ class MainWindow(QMainWindow):
     def stop(self) -> None:
         """Stop the streaming answer within one layer (or, if it has not begun yet, as soon as it does)."""
         self.worker.stop()
-        if "ask" in self._pending and not (self._pending[0] == "ask" and self._head_started):
-            self._stop_when_started = True
+        self.requests.stop_pressed()
 
     def open_document(self, path: str) -> None:
         self._request("open", self.request_open, str(path))
@@ -247,7 +244,7 @@ class MainWindow(QMainWindow):
             return
         self.chat.new_chat()
         self.conversation.clear()
-        self.request_new_chat.emit()      # no busy/finish signals follow: not tracked in _pending
+        self.request_new_chat.emit()      # no busy/finish signals follow: not tracked in requests
 
     def _on_model_folder(self, folder: str) -> None:
         self.engine_overrides["model"] = folder
@@ -256,27 +253,17 @@ class MainWindow(QMainWindow):
 
     def is_busy(self) -> bool:
         """Whether any request is queued or running in the worker."""
-        return bool(self._pending)
+        return bool(self.requests)
 
     # ------------------------------------------------------------------ worker signals
-    def _finish_head(self) -> str | None:
-        self._head_started = False
-        kind = self._pending.popleft() if self._pending else None
-        if kind == "ask":
-            self._stop_when_started = False
-        return kind
-
     @Slot(bool)
     def _on_busy(self, busy: bool) -> None:
         if busy:
-            self._head_started = True
-            head = self._pending[0] if self._pending else None
-            if head == "ask" and self._stop_when_started:
-                self._stop_when_started = False
+            if self.requests.begin():         # a question Stop was pressed for before it began
                 self.worker.stop()
-            self.policy_panel.set_busy(head == "ask")
+            self.policy_panel.set_busy(self.requests.head == "ask")
         else:
-            self._finish_head()
+            self.requests.finish()
             self.telemetry.flush()            # the request's last steps, drawn now
             self.policy_panel.set_busy(False)
             self.status.hide_progress()
@@ -344,9 +331,9 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def _on_error(self, message: str) -> None:
-        head = self._pending[0] if self._pending else "ask"
-        if head == "ask" and not self._head_started:   # refused before it began: no busy signals follow
-            self._finish_head()
+        head = self.requests.head or "ask"
+        if head == "ask" and not self.requests.started:   # refused before it began: no busy signals follow
+            self.requests.finish()
         if head == "open":
             self.document_panel.show_error(message)
         else:
@@ -382,16 +369,9 @@ class MainWindow(QMainWindow):
                 "system_prompt": self.chat.system_prompt()}
 
     def export_bundle(self, folder: Path) -> Path:
-        """Write window.png, a PNG of each view registered with export=True (timeline, ring, quest, masks,
-        metrics) and chat.png, trace.json (the last turn), chat.md, chat.json and config.json into `folder`, or
-        into a new timestamped subfolder when `folder` is not empty; returns it. A folder that cannot be written
-        raises app.bundle.ExportError (an OSError, one line) before anything is drawn."""
-        out = bundle_folder(Path(folder))
-        steps = None if "ask" in self._pending else list(self.worker.turn_steps)   # never read while it changes
-        views = {spec.name: self.views[spec.name] for spec in self.view_specs if spec.export}
-        views["chat"] = self.chat
-        write_bundle(out, self.grab(), views, self.chat, steps, self.describe())
-        return out
+        """app/bundle.py's `window_bundle`: PNGs, the last turn's trace, the chat and the config into `folder` (a new
+        subfolder when it is not empty); ExportError first when it cannot be written."""
+        return window_bundle(self, folder)
 
     # ------------------------------------------------------------------ drops, closing
     def dragEnterEvent(self, event) -> None:
