@@ -18,8 +18,10 @@ call that returns its log-sum-exp (attention_lse; it had been ~10 fp32 kernels a
 -> 0.87-1.08 s and 110-174 -> 77-101 ms (H100, one engine per tree, two rounds, four prompts each); and as flash
 keeps no scores, a group fills a whole slot (the Qwen3-4B shape had groups of 8 blocks): at 16K tokens of that shape
 6.9-10.0 -> 4.6-7.0 s fresh, 146-271 -> 56-105 ms with the document cached (`.devrun` scratch, the same way). On
-the CPU one block at a time stays faster (it stays in cache: 45.1 against 50.5 s on a 2-core machine), so
-prefill_group is 1 there.
+the CPU attention_lse is torch's fused kernel too (it was fp32 matmul-softmax, which kept the scores and was
+faster one block at a time: 45.1 against 50.5 s on a 2-core machine), and there groups pay as well (the default
+model's shape at 4K tokens, 2 cores: 20.1 -> 17.3 s fresh, 1.69 -> 1.29 s with the document cached); one block at a
+time stays only where neither fused path runs (prefill_group 1).
 Decode is the one-token chunk; there the cost is not the bytes but the pieces: one load, one attention and one
 merge per earlier block and layer (at 6K tokens and 256-token blocks, 720 a token on the default model: 2
 tokens/s on an H100). So a slot holds up to DECODE_GROUP_BYTES of one layer's blocks, and a decode step streams
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.attention import attention_lse, flash_lse, lse_output, merge_lse
+from engine.ops.attention import attention_lse, fused_lse, lse_output, merge_lse
 from engine.offload.decode_graphs import DecodeGraphs
 from engine.offload.runner import OffloadRunner
 from engine.offload.streams import wait_on
@@ -65,7 +67,7 @@ class ChunkedRunner(OffloadRunner):
         layer_block = self.block_bytes // self.args.num_layers            # one block of one layer
         self.group = max(1, min(self.max_blocks_per_seq, DECODE_GROUP_BYTES // layer_block))
         scores_per_block = self.args.num_heads * self.block_size ** 2 * 4      # a chunk over one block, fp32
-        if flash_lse(self.device, self.dtype, self.args.head_dim):             # no scores in memory: a whole slot
+        if fused_lse(self.device, self.dtype, self.args.head_dim):             # no scores in memory: a whole slot
             self.prefill_group = self.group
         elif self.device.type == "cuda":
             self.prefill_group = max(1, min(self.group, PREFILL_SCORES_BYTES // scores_per_block))

@@ -268,6 +268,11 @@ def flash_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         head_dim <= 256 and _flash_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def fused_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """attention_lse keeps no [Tq, Tk] scores in memory here: flash on CUDA, torch's fused kernel on the CPU."""
+    return flash_lse(device, dtype, head_dim) or (device.type == "cpu" and _CPU_FLASH)
+
+
 @functools.lru_cache(maxsize=None)
 def _flash_gpu(index: int) -> bool:
     """SDPA's flash kernel runs on this GPU (compute capability 8.0 and up: Ampere, Hopper, ...)."""

@@ -232,16 +232,16 @@ def test_stop_mid_prefill_within_a_layer_and_nothing_poisoned(engines, prompts, 
 
 
 def test_chunked_prefill_in_groups_of_earlier_blocks_answers_the_same(tmp_path):
-    """Chunked prefill streams a chunk's earlier blocks in groups (one load, attention and merge per group: CUDA's
-    default) or one at a time (the CPU's): the same math, so the same greedy answer, in fewer pieces (and no more
-    bytes)."""
+    """Chunked prefill streams a chunk's earlier blocks in groups (one load, attention and merge per group: the
+    default where attention_lse keeps no scores, CUDA's flash and the CPU's fused kernel) or one at a time: the same
+    math, so the same greedy answer, in fewer pieces (and no more bytes)."""
     from tests.engine.tiny import tiny_model
     tiny_model("qwen3", tmp_path)
     prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()   # 10 chunks of 32
     got = {}
     for group in (1, 4):
         llm = LLM(str(tmp_path), device="cpu", kv_block_size=32, mode="chunked", max_model_len=400, kv_store=None)
-        assert llm.runner.prefill_group == 1                        # the CPU's default
+        assert llm.runner.prefill_group == llm.runner.group > 4      # the CPU's default: whole slots
         llm.runner.prefill_group = group
         rec = TraceRecorder()
         llm.recorder = rec
