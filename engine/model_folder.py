@@ -2,6 +2,7 @@
 model, converted on first use) and the tokenizer in it. Qt-free."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,15 +39,28 @@ def check_tokenizer_files(model_dir: Path) -> None:
                          "tokenizer_config.json, beside config.json")
 
 
+def _tokenizer_class(model_dir: Path):
+    """transformers' PreTrainedTokenizerFast where tokenizer_config.json names it (the default model, Llama 3): ~1.5 s
+    sooner than AutoTokenizer, which reads the model's config first and imports its model code. Else AutoTokenizer."""
+    try:
+        named = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named == "PreTrainedTokenizerFast" and (model_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+    return AutoTokenizer
+
+
 def load_tokenizer(model_dir: Path):
     """The folder's tokenizer (transformers' AutoTokenizer, from local files only), without a length limit; None
     where the folder has no vocabulary file (the engine then takes token ids only: transformers 5 would hand back
     an empty tokenizer that encodes every text to nothing, transformers 4 an error)."""
     if not _has_vocabulary(model_dir):
         return None
-    from transformers import AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok = _tokenizer_class(model_dir).from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise ModelError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); the folder "
                          "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None

@@ -18,7 +18,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """On the CPU, even inside a `torch.device("meta")` block (on meta, arange imports torch._dynamo: ~3 s)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv_freq.float()

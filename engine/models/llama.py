@@ -118,7 +118,8 @@ class CausalLM(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # (weights given: no random init, which on the meta device imports torch._dynamo, ~3 s of a CPU's start)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)

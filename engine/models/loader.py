@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import safe_open
 
 from engine.errors import ModelError
@@ -28,10 +29,15 @@ def build_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Ca
             model = CausalLM(args)
     finally:
         torch.set_default_dtype(default)
-    model = model.to_empty(device=device)
-    if args.tie_word_embeddings:  # to_empty breaks the tie; restore it
+    for module in model.modules():   # (not to_empty: its empty_like on meta tensors imports torch's meta
+        for group in (module._parameters, module._buffers):     # registrations, ~1 s of a CPU's start)
+            for name, t in group.items():
+                if t is not None:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    group[name] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+    if args.tie_word_embeddings:  # new parameters break the tie; restore it
         model.lm_head.weight = model.embed_tokens.weight
-    # buffers computed at init do not survive to_empty
+    # buffers computed at init were replaced by empty ones
     model.rotary.inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
     return model.eval().requires_grad_(False)
 

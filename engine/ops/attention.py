@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 try:  # optional, used when importable
     from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -115,7 +114,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         o = _after_prefix_cpu(q, k, v, scale)
     else:  # bottom-right aligned causal: query i sits at position lk - lq + i. Not as a boolean mask: on an H100 that
         # went to cuDNN, which built a graph per new (lq, lk), up to 1.4 s, so each question about a cached document
-        # waited that long in its first layer; as a CausalBias it runs the flash kernel, no build
+        # waited that long in its first layer; as a CausalBias it runs the flash kernel, no build. (Imported here:
+        # the module imports torch._dynamo, ~3 s of every process's start on a CPU.)
+        from torch.nn.attention.bias import causal_lower_right
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(lq, lk), scale=scale,
                                            enable_gqa=True)
     return o[0].transpose(0, 1)
