@@ -5,7 +5,8 @@ The engine never waits for the GUI: steps go into the worker's bounded deque (ap
 Drawing costs CPU (and the GIL) that an engine on the CPU needs: on a 2-core machine, redrawing the views after
 every decode step took ~20-30% of a core and slowed decode by ~30%. So the pump holds the GUI thread under a
 budget (`set_budget`: the share of one core it may use): about once a second it compares the GUI thread's CPU
-time with the budget and halves or doubles the time between draws (33 ms .. 1 s), over windows in which steps
+time with the budget and halves or doubles the time between draws (33 ms .. 2 s: at 1 s a
+watched layerwise turn on a 2-core CPU still used 8-10% of a core), over windows in which steps
 arrived only (a GPU turn lasts about a second: an interval relaxed while the window idled between turns made every
 turn start drawing at 30 Hz, the GUI thread 22-25% busy during layerwise turns on an H100). Steps are coalesced meanwhile,
 never dropped; `flush()` draws at once (the end of an answer).
@@ -19,7 +20,7 @@ from collections import deque
 from PySide6.QtCore import QObject, QTimer
 
 TICK_MS = 33            # ~30 Hz
-MAX_INTERVAL_MS = 1000  # the slowest the views are redrawn while steps arrive
+MAX_INTERVAL_MS = 2000  # the slowest the views are redrawn while steps arrive
 ADJUST_S = 1.0          # how often the draw interval is adapted to the budget
 
 

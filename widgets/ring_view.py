@@ -148,12 +148,15 @@ class RingView(TracePlot):
         return list(self._slots)
 
     def latest_slots(self) -> dict[int, SlotState]:
-        """Each slot's most recent state record."""
+        """Each slot's most recent state record (steps come one after another: the newest steps are read until
+        every slot shown has one, not the whole history at every draw)."""
         latest: dict[int, SlotState] = {}
-        for step, _ in self._history:
+        for step, _ in reversed(self._history):
             for rec in step.slots:
                 if rec.slot not in latest or rec.t_us >= latest[rec.slot].t_us:
                     latest[rec.slot] = rec
+            if latest and latest.keys() >= set(self._slots):
+                break
         return dict(sorted(latest.items()))
 
     def slot_layers(self) -> dict[int, int | None]:

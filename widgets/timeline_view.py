@@ -19,7 +19,7 @@ from PySide6.QtGui import QFont
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QToolButton, QVBoxLayout, QWidget
 
 from engine.trace.events import COMPUTE, D2H, H2D, HOST, LANES, Span, StepTrace
-from engine.trace.summary import TraceSummary, summarize
+from engine.trace.summary import TraceSummary, lane_arrays, summarize
 from widgets.trace_common import (DEFAULT_MAX_STEPS, KIND_COLORS, TracePlot, fmt_bytes, fmt_pct, fmt_us,
                                   text_color_on)
 
@@ -68,9 +68,11 @@ def bar_rows(row: int, depth: int) -> tuple[float, float]:
 
 @dataclass
 class _StepBars:
-    """A step's bars by kind ([x0_ms, x1_ms, top, height] rows) and its spans by lane, for lookups."""
+    """A step's bars by kind ([x0_ms, x1_ms, top, height] rows), its spans by lane, for lookups, and as the
+    summary's arrays (`engine.trace.summary.lane_arrays`: made once, not at each refresh of the summary line)."""
     rects: dict[str, np.ndarray]
     lanes: dict[str, list[tuple[Span, int]]] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def describe_span(span: Span, step: StepTrace | None = None) -> str:
@@ -142,7 +144,7 @@ class TimelineView(TracePlot):
             for s, d in zip(spans, depths):
                 top, height = bar_rows(row, d)
                 rows.setdefault(span_kind(s), []).append([s.t0_us / 1e3, s.t1_us / 1e3, top, height])
-        return _StepBars({k: np.asarray(v, dtype=np.float64) for k, v in rows.items()}, lanes)
+        return _StepBars({k: np.asarray(v, dtype=np.float64) for k, v in rows.items()}, lanes, lane_arrays(step.spans))
 
     def _redraw(self) -> None:
         empty = np.zeros((0, 4))
@@ -246,8 +248,9 @@ class TimelineView(TracePlot):
             self.summary = None
             self.summary_label.setText("nothing recorded in the visible range")
             return
-        steps = [step for step, _ in self._visible_steps(t0 / 1e3, t1 / 1e3)]
-        self.summary = s = summarize(steps, t0=t0, t1=t1)
+        visible = self._visible_steps(t0 / 1e3, t1 / 1e3)
+        steps = [step for step, _ in visible]
+        self.summary = s = summarize(steps, t0=t0, t1=t1, arrays=[bars.arrays for _, bars in visible])
         busy = " · ".join(f"{LANE_TITLES[lane]} {fmt_pct(s.busy_fraction.get(lane, 0.0))}" for lane in LANES)
         text = (f"visible {fmt_us(t1 - t0)} — busy: {busy} — copy overlapped by compute {fmt_pct(s.overlap_fraction)}"
                 + f" — exposed copy {fmt_us(s.exposed_copy_us)}")

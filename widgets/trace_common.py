@@ -6,6 +6,7 @@ axes and text follow the widget palette and change with it.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import pyqtgraph as pg
@@ -97,7 +98,9 @@ class TracePlot(QWidget):
         self._follow = True
         self.hover_text = ""       # what the tooltip shows (or last showed) for the mouse position
         self._overlay_timer = QTimer(self, singleShot=True, interval=OVERLAY_PAN_MS)
-        self._overlay_timer.timeout.connect(self.refresh_overlays)
+        self._overlay_timer.timeout.connect(self._overlays_now)
+        self._overlays_at = 0.0     # perf_counter of the last refresh of the overlays
+        self._scrolling = False     # append_steps is scrolling to the newest step (it refreshes the overlays itself)
 
         self.plot = pg.PlotWidget()
         self.plot.setMenuEnabled(True)
@@ -111,7 +114,7 @@ class TracePlot(QWidget):
         item.showGrid(x=True, y=False, alpha=0.25)
         self.set_rows(rows)
         self.viewbox.sigRangeChangedManually.connect(self._on_manual_range)
-        self.viewbox.sigXRangeChanged.connect(lambda *_: self._schedule_overlays())
+        self.viewbox.sigXRangeChanged.connect(self._on_range_changed)
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.export_actions = add_export_actions(self.plot, export_name)
 
@@ -163,11 +166,7 @@ class TracePlot(QWidget):
 
     def append_step(self, step: StepTrace) -> None:
         """Add the newest step (the oldest is dropped beyond `max_steps`); scrolls to it when following."""
-        self._history.append((step, self._prepare(step)))
-        self._redraw()
-        if self._follow:
-            self.scroll_to_latest()
-        self._schedule_overlays()
+        self.append_steps([step])
 
     def append_steps(self, steps) -> None:
         """Add several new steps (oldest first) with ONE redraw: for a GUI timer that drains steps in batches."""
@@ -178,15 +177,35 @@ class TracePlot(QWidget):
             self._history.append((step, self._prepare(step)))
         self._redraw()
         if self._follow:
-            self.scroll_to_latest()
+            self._scrolling = True
+            try:
+                self.scroll_to_latest()
+            finally:
+                self._scrolling = False
         self._schedule_overlays()
 
+    def _on_range_changed(self, *_) -> None:
+        if not self._scrolling:
+            self._schedule_overlays()
+
     def _schedule_overlays(self) -> None:
-        """Refresh the overlays soon, at most once per interval: OVERLAY_LIVE_MS while following live steps (they
-        cost ~10 ms of a core each: refreshing after every step took CPU from the engine on small machines),
-        OVERLAY_PAN_MS while the user pans or zooms."""
-        if not self._overlay_timer.isActive():
-            self._overlay_timer.start(OVERLAY_LIVE_MS if self._follow else OVERLAY_PAN_MS)
+        """Refresh the overlays at most once per interval: OVERLAY_LIVE_MS while following live steps (they cost
+        ~5-10 ms of a core each: refreshing after every step took CPU from the engine on small machines),
+        OVERLAY_PAN_MS while the user pans or zooms. While following, a refresh that is due runs at once, so the
+        bars and their labels are painted together (a refresh a timer's interval after a draw painted the plot a
+        second time: on a 2-core CPU, whose drawing is throttled to ~1 draw/s, every draw)."""
+        if self._overlay_timer.isActive():
+            return
+        wait_ms = OVERLAY_LIVE_MS if self._follow else OVERLAY_PAN_MS
+        since_ms = (time.perf_counter() - self._overlays_at) * 1e3
+        if self._follow and since_ms >= wait_ms:
+            self._overlays_now()
+        else:
+            self._overlay_timer.start(max(1, int(wait_ms - since_ms)) if self._follow else wait_ms)
+
+    def _overlays_now(self) -> None:
+        self._overlays_at = time.perf_counter()
+        self.refresh_overlays()
 
     def clear(self) -> None:
         self._history.clear()

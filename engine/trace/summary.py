@@ -23,9 +23,6 @@ import numpy as np
 
 from engine.trace.events import COMPUTE, COPY_LANES, LANES, Span, StepTrace
 
-Intervals = list[tuple[float, float]]
-
-
 @dataclass(frozen=True)
 class TraceSummary:
     t0_us: float
@@ -47,63 +44,67 @@ class TraceSummary:
         return asdict(self)
 
 
-def merge(intervals: Iterable[tuple[float, float]]) -> Intervals:
-    """Sorted, disjoint union of intervals (empty and reversed ones dropped; touching ones joined).
+def merge(intervals) -> np.ndarray:
+    """Sorted, disjoint union of intervals ([n, 2] array or pairs -> [k, 2] float64 array; empty and reversed ones
+    dropped; touching ones joined).
 
     Vectorised (the timeline asks for thousands of spans a few times a second): sorted by start, an interval
     begins a new run when it starts after every earlier end; a run ends at the largest end in it."""
-    if not isinstance(intervals, (list, np.ndarray)):
-        intervals = list(intervals)
-    a = np.asarray(intervals, dtype=np.float64).reshape(-1, 2)
+    a = np.asarray(intervals if isinstance(intervals, (list, np.ndarray)) else list(intervals),
+                   dtype=np.float64).reshape(-1, 2)
     a = a[a[:, 1] > a[:, 0]]
     if not len(a):
-        return []
+        return a
     a = a[np.argsort(a[:, 0], kind="stable")]
     reach = np.maximum.accumulate(a[:, 1])
     first = np.flatnonzero(np.r_[True, a[1:, 0] > reach[:-1]])
     last = np.r_[first[1:] - 1, len(a) - 1]
-    return list(zip(a[first, 0].tolist(), reach[last].tolist()))
+    return np.stack([a[first, 0], reach[last]], axis=1)
 
 
-def clip(merged: Intervals, t0: float, t1: float) -> Intervals:
-    return [(max(a, t0), min(b, t1)) for a, b in merged if b > t0 and a < t1]
+def clip(merged: np.ndarray, t0: float, t1: float) -> np.ndarray:
+    """A merged union cut to [t0, t1]."""
+    c = np.clip(merged, t0, t1)
+    return c[c[:, 1] > c[:, 0]]
 
 
-def intersect(x: Intervals, y: Intervals) -> Intervals:
-    """Intersection of two merged interval lists (two pointers)."""
-    out: Intervals = []
-    i = j = 0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if b > a:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+def total(merged: np.ndarray) -> float:
+    return float((merged[:, 1] - merged[:, 0]).sum())
 
 
-def total(merged: Intervals) -> float:
-    return sum(b - a for a, b in merged)
+def lane_arrays(spans: Iterable[Span]) -> dict[str, np.ndarray]:
+    """Spans by lane (every lane of LANES, and any other seen) as [n, 3] float64 arrays of (t0_us, t1_us, bytes):
+    what `summarize` computes from. A view that summarizes the same steps again and again keeps each step's."""
+    by_lane: dict[str, list[Span]] = {lane: [] for lane in LANES}
+    for s in spans:
+        by_lane.setdefault(s.lane, []).append(s)
+    return {lane: np.array([[s.t0_us for s in ss], [s.t1_us for s in ss], [float(s.bytes) for s in ss]],
+                           dtype=np.float64).reshape(3, -1).T for lane, ss in by_lane.items()}
 
 
 def summarize(trace: StepTrace | Iterable[StepTrace] | Iterable[Span], t0: float | None = None,
-              t1: float | None = None) -> TraceSummary:
-    """Summary of a step, steps or spans over [t0, t1] (default: the steps' extent, or the spans')."""
+              t1: float | None = None, arrays: Iterable[dict[str, np.ndarray]] | None = None) -> TraceSummary:
+    """Summary of a step, steps or spans over [t0, t1] (default: the steps' extent, or the spans').
+    arrays: for steps, each one's `lane_arrays(step.spans)`, made before, in the same order."""
     if isinstance(trace, StepTrace):
         trace = [trace]
+    made = iter(arrays) if arrays is not None else None
     spans: list[Span] = []
+    parts: list[dict[str, np.ndarray]] = []
     lo, hi = float("inf"), float("-inf")
     detailed, gaps = [], False       # steps without a timeline (TraceRecorder's detail) are left out of the window
     for item in trace:
         if isinstance(item, StepTrace):
             timeline = item.timeline
+            known = next(made) if made is not None else None
             if timeline != [(item.t0_us, item.t1_us)]:
                 gaps = True
             if not timeline:
                 continue
-            spans += item.spans
+            if known is not None:
+                parts.append(known)
+            else:
+                spans += item.spans
             detailed += timeline
         else:
             spans.append(item)
@@ -112,30 +113,25 @@ def summarize(trace: StepTrace | Iterable[StepTrace] | Iterable[Span], t0: float
     t1 = (hi if lo <= hi else 0.0) if t1 is None else t1
     window = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in detailed) if gaps else t1 - t0
 
-    by_lane: dict[str, list[Span]] = {lane: [] for lane in LANES}
-    for s in spans:
-        by_lane.setdefault(s.lane, []).append(s)
-    ends = {lane: np.array([(s.t0_us, s.t1_us) for s in ss], dtype=np.float64).reshape(-1, 2)
-            for lane, ss in by_lane.items()}
-    unions = {lane: clip(merge(e), t0, t1) for lane, e in ends.items()}
+    parts.append(lane_arrays(spans))
+    names = dict.fromkeys(k for p in parts for k in p)        # LANES first, in order, then any other
+    lanes = {lane: np.concatenate([p[lane] for p in parts if lane in p]) for lane in names}
+    unions = {lane: clip(merge(e[:, :2]), t0, t1) for lane, e in lanes.items()}
     busy = {lane: total(u) for lane, u in unions.items()}
-    counts = {lane: int(((e[:, 1] >= t0) & (e[:, 0] <= t1)).sum()) for lane, e in ends.items()}
+    counts = {lane: int(((e[:, 1] >= t0) & (e[:, 0] <= t1)).sum()) for lane, e in lanes.items()}
 
-    copy = merge(iv for lane in COPY_LANES for iv in unions[lane])
+    copy = merge(np.concatenate([unions[lane] for lane in COPY_LANES]))
     copy_us = total(copy)
-    overlap_us = total(intersect(copy, unions[COMPUTE]))
+    # |copy ∩ compute| = |copy| + |compute| - |copy ∪ compute| (each a disjoint union: no double counting)
+    overlap_us = copy_us + busy[COMPUTE] - total(merge(np.concatenate([copy, unions[COMPUTE]])))
+    overlap_us = min(copy_us, max(0.0, overlap_us))     # (rounding)
 
     nbytes: dict[str, float] = {}
-    for lane in COPY_LANES:
-        n = 0.0
-        for s in by_lane[lane]:
-            if s.bytes:
-                d = s.t1_us - s.t0_us
-                if d <= 0:
-                    n += s.bytes if t0 <= s.t0_us <= t1 else 0
-                else:
-                    n += s.bytes * min(1.0, max(0.0, min(s.t1_us, t1) - max(s.t0_us, t0)) / d)
-        nbytes[lane] = n
+    for lane in COPY_LANES:          # a span's bytes pro-rated by its share inside the window (an instant: in or out)
+        a, b, n = lanes[lane].T
+        d = b - a
+        inside = np.minimum(1.0, np.clip(np.minimum(b, t1) - np.maximum(a, t0), 0.0, None) / np.where(d > 0, d, 1.0))
+        nbytes[lane] = float((n * np.where(d > 0, inside, (a >= t0) & (a <= t1))).sum())
     gbps = {lane: nbytes[lane] / (busy[lane] * 1e3) if busy[lane] > 0 else 0.0 for lane in COPY_LANES}
     return TraceSummary(
         t0_us=t0, t1_us=t1,
