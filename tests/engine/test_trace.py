@@ -57,6 +57,17 @@ def test_summary_window_steps_and_no_copies():
     assert s.busy_fraction[COMPUTE] == 0.75 and s.overlap_fraction == 0.0 and s.exposed_copy_us == 0
 
 
+def test_summary_from_kept_lane_arrays_equals_the_one_from_spans():
+    """The timeline keeps each step's `lane_arrays` and summarizes from them: the same figures, any window."""
+    from engine.trace.summary import lane_arrays
+    steps = [hand_made_step(0), hand_made_step(1, offset=100), hand_made_step(2, offset=150)]   # 2 overlaps 1
+    steps[1].spans.append(Span(HOST, "plan", 120, 121))
+    arrays = [lane_arrays(step.spans) for step in steps]
+    for t0, t1 in ((None, None), (20, 30), (5, 160), (130, 170)):
+        assert summarize(steps, t0=t0, t1=t1, arrays=arrays) == summarize(steps, t0=t0, t1=t1)
+    assert summarize(steps, arrays=arrays).busy_us[HOST] == 1
+
+
 # ---------------------------------------------------------------- chrome export and validator
 def test_chrome_trace_of_hand_made_steps_is_valid():
     obj = to_chrome_trace([hand_made_step(0), hand_made_step(1, offset=100)])

@@ -168,6 +168,23 @@ def test_follow_live_and_bounded_history(qtbot, layerwise_steps):
     assert view.bar_count() == 0 and view.summary_label.text() == "no steps yet"
 
 
+def test_a_live_draw_brings_its_summary_and_labels_with_it(qtbot, layerwise_steps):
+    """Following live steps, the summary line and the bar labels change in the same draw as the bars (a refresh a
+    timer later painted the plot twice), at most every OVERLAY_LIVE_MS; a draw sooner than that refreshes later."""
+    from widgets.trace_common import OVERLAY_LIVE_MS
+    view = _shown(qtbot, TimelineView())
+    view.append_steps(layerwise_steps[:1])
+    first = view.summary_label.text()
+    assert first.startswith("visible") and view.visible_labels()
+    view.append_steps(layerwise_steps[1:2])          # within OVERLAY_LIVE_MS of the last refresh: not yet
+    assert view.summary_label.text() == first and view._overlay_timer.isActive()
+    qtbot.waitUntil(lambda: view.summary_label.text() != first, timeout=4 * OVERLAY_LIVE_MS)
+    second = view.summary_label.text()
+    qtbot.wait(OVERLAY_LIVE_MS + 20)
+    view.append_steps(layerwise_steps[2:])           # due: refreshed at once
+    assert view.summary_label.text() != second and not view._overlay_timer.isActive()
+
+
 # ---------------------------------------------------------------- ring
 def test_ring_view_has_a_row_per_slot_and_the_latest_layers(qtbot, layerwise_steps):
     view = _shown(qtbot, RingView())
