@@ -38,15 +38,20 @@ LIVE_DETAIL_HZ = 10.0
 # ... where the window draws little and the engine's host work is what sets its pace: in the offload modes on a GPU
 # (about 1.5 draws a second, app/telemetry.py's gui_budget; their decode is a Python loop on one host core, and
 # reading a timed layerwise step's ~330 events took ~2.6 ms of it: H100, the default model, ~3% of the turn at ten
-# a second), and on a CPU (about one draw a second where the engine's threads take every core; every decode step
-# of the default model, ~0.15 s, was timed at ten a second, and watching cost its layerwise decode 1.10-1.13x).
+# a second); on a CPU every decode step of the default model, ~0.15 s, was timed at ten a second, and watching
+# cost its layerwise decode 1.10-1.13x.
 LOW_DETAIL_HZ = 3.0
+# ... and on a CPU, whose window draws once every 1-2 s while the engine's threads take every core: a timeline a
+# second (at 3 a second every other decode step of the default model, ~0.25 s, was timed, and each one's bars were
+# sent, kept and painted by a window whose every busy moment the engine's threads lose on two cores).
+CPU_DETAIL_HZ = 1.0
 
 
 def live_detail_hz(device: str, mode: str) -> float:
     """The live views' timeline rate for an engine on `device` in `mode`."""
-    few_draws = not str(device).startswith("cuda") or mode in ("layerwise", "chunked")
-    return LOW_DETAIL_HZ if few_draws else LIVE_DETAIL_HZ
+    if not str(device).startswith("cuda"):
+        return CPU_DETAIL_HZ
+    return LOW_DETAIL_HZ if mode in ("layerwise", "chunked") else LIVE_DETAIL_HZ
 
 
 @dataclass(slots=True)

@@ -52,10 +52,11 @@ def test_bulk_quest_picks_expand_per_layer_and_head_and_pickle_as_arrays():
 
 
 def test_the_live_timeline_rate_follows_what_the_window_draws():
-    """The views redraw ~1.5 times a second in the offload modes on a GPU and about once a second on a CPU: three
-    timelines a second there, ten in gpu mode on a GPU."""
+    """The views redraw ~1.5 times a second in the offload modes on a GPU and once every 1-2 s on a CPU: three
+    timelines a second there, one on a CPU, ten in gpu mode on a GPU."""
     from engine.trace import LIVE_DETAIL_HZ, LOW_DETAIL_HZ, live_detail_hz
+    from engine.trace.events import CPU_DETAIL_HZ
     assert live_detail_hz("cuda:0", "layerwise") == live_detail_hz("cuda", "chunked") == LOW_DETAIL_HZ == 3.0
-    assert live_detail_hz("cpu", "layerwise") == live_detail_hz("cpu", "gpu") == LOW_DETAIL_HZ
+    assert live_detail_hz("cpu", "layerwise") == live_detail_hz("cpu", "gpu") == CPU_DETAIL_HZ == 1.0
     assert live_detail_hz("cuda:0", "gpu") == LIVE_DETAIL_HZ == 10.0
-    assert TraceRecorder.live("cpu", mode="layerwise")._detail_every_us == pytest.approx(1e6 / LOW_DETAIL_HZ)
+    assert TraceRecorder.live("cpu", mode="layerwise")._detail_every_us == pytest.approx(1e6 / CPU_DETAIL_HZ)
