@@ -121,8 +121,8 @@ class EngineWorker(WorkerBase):
         if self.llm is not None and config == self.engine_config:
             return
         if self.llm is not None and _without_policy(config) == _without_policy(self.engine_config):
-            # only the policy changed: switch it on the loaded engine (drops the prefix cache; a bad parameter
-            # raises ConfigError and leaves the engine as it was)
+            # only the policy changed: switch it on the loaded engine (LLM.set_policy says when the prefix cache
+            # stays; a bad parameter raises ConfigError and leaves the engine as it was)
             self.llm.set_policy(config.get("policy", "full"), config.get("policy_params") or {})
             self.engine_config = dict(config)
             self.llm.warm_up(self.model_progress.emit)   # CUDA: its kernels and graphs now, not in the first turn

@@ -110,14 +110,22 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids = -1, []
 
-    def forget_cached(self) -> None:
-        """Drop every prefix-cache key; blocks in use keep their contents, free ones become clean."""
+    def cached_ids(self) -> list[int]:
+        """The blocks the prefix cache can hand out (in use or free), ascending."""
+        return sorted(self.hash_to_block.values())
+
+    def forget_cached(self, keep: dict[int, int] | None = None) -> None:
+        """Drop every prefix-cache key but those of `keep` (a copy of `hash_to_block` taken earlier) whose block
+        still holds them; blocks in use keep their contents, free ones without a key become clean."""
+        keep = keep or {}
         for block in self.blocks:
-            block.hash, block.token_ids = -1, []
-        self.hash_to_block.clear()
-        for block_id in self.cached:
-            heapq.heappush(self.clean, block_id)
-        self.cached.clear()
+            if block.hash != -1 and keep.get(block.hash) != block.block_id:
+                if self.hash_to_block.get(block.hash) == block.block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = -1, []
+                if block.block_id in self.cached:
+                    del self.cached[block.block_id]
+                    heapq.heappush(self.clean, block.block_id)
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in seq.block_table:  # in order: cached blocks are handed out again in ascending runs

@@ -219,3 +219,32 @@ def test_the_rank_score_runs_alike_in_both_runners_and_over_cached_blocks(tmp_pa
         fresh = llm.generate([second], params)[0]
     assert outs["layerwise"].token_ids == outs["chunked"].token_ids
     assert outs["layerwise cached"].token_ids == outs["chunked cached"].token_ids == fresh.token_ids
+
+
+def _first_decode_picks(rec: TraceRecorder) -> list[tuple]:
+    step = next(s for s in rec.steps if s.phase == "decode")
+    return [(p.layer, p.kv_head, p.blocks.tolist()) for p in step.quest]
+
+
+def test_a_switch_from_full_keeps_the_cached_document_and_a_switch_back_drops_it(default_model_dir):
+    """Full's KV is what Quest would compute: after a switch the document's cached blocks are reused, and Quest,
+    shown their keys, picks and answers as an engine built for it. Quest's answer tokens carry KV made from
+    sparse attention: a switch back to Full computes the prompt again."""
+    quest = {"token_budget": 256, "min_context": 0, "min_layer_mb": 0}
+    doc, prompt = list(range(3000, 3700)), list(range(3000, 3700)) + list(range(100, 140))
+    kw = dict(device="cpu", kv_block_size=64, mode="layerwise", max_model_len=1024, gpu_kv_budget_gb=0.012)
+    six = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(str(default_model_dir), policy="full", **kw) as llm:
+        llm.generate([doc], SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.set_policy("quest", quest)
+        llm.recorder = rec = TraceRecorder()
+        switched = llm.generate([prompt], six)[0]
+        llm.set_policy("full")
+        back = llm.generate([prompt], six)[0]
+    with LLM(str(default_model_dir), policy="quest", policy_params=quest, **kw) as llm:
+        llm.recorder = fresh_rec = TraceRecorder()
+        fresh = llm.generate([prompt], six)[0]
+    assert switched.stats.cached_tokens == 640 and fresh.stats.cached_tokens == 0    # the doc's 10 full blocks
+    assert _first_decode_picks(rec) == _first_decode_picks(fresh_rec) != []
+    assert switched.token_ids == fresh.token_ids
+    assert back.stats.cached_tokens == 0

@@ -130,3 +130,26 @@ def test_a_held_block_is_not_reused_until_released():
     assert bm.num_free == 1 and held in bm.used_ids
     bm.release(held)                                              # acknowledged
     assert bm.num_free == 2 and not bm.used_ids
+
+
+def test_forgetting_the_cache_keeps_what_was_cached_before_and_still_is():
+    """LLM.warm_up's throwaway prompts leave the cache; the prompts cached before them stay, unless a throwaway
+    prompt took their block."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    tables = []
+    for first in (0, 50):                                          # two documents of two full blocks, cached
+        seq = Sequence(list(range(first, first + 8)), SamplingParams(), 4)
+        bm.allocate(seq)
+        tables.append(list(seq.block_table))
+        bm.deallocate(seq)
+    kept = dict(bm.hash_to_block)
+    taken = Sequence(list(range(100, 112)), SamplingParams(), 4)   # a throwaway prompt: two clean blocks, then
+    bm.allocate(taken)                                              # the oldest cached one (the first doc's first)
+    assert tables[0][0] in taken.block_table
+    bm.deallocate(taken)
+    bm.forget_cached(keep=kept)
+    assert bm.cached_ids() == sorted([tables[0][1], *tables[1]]) and len(bm.hash_to_block) == 3
+    assert bm.num_free == 6 and len(bm.clean) == 3                 # the rest is clean: handed out first
+    again = Sequence(list(range(50, 60)), SamplingParams(), 4)
+    bm.allocate(again)
+    assert again.num_cached_tokens == 8 and again.block_table[:2] == tables[1]

@@ -304,3 +304,29 @@ def test_the_sketch_basis_graph_gives_the_eager_basis():
         torch.testing.assert_close(got, _subspace(m, _start(m, 32), 24), rtol=1e-9, atol=1e-9)
         eye = torch.eye(32, dtype=got.dtype, device="cuda").expand(3, 32, 32)
         torch.testing.assert_close(got.transpose(1, 2) @ got, eye)
+
+
+def test_a_switch_to_quest_and_its_warm_up_keep_the_cached_document():
+    """The app switches the policy, then warms the engine up (LLM.warm_up): the document asked about under Full stays
+    cached through both, and Quest, its basis and page index made from the cached keys, answers as an engine built
+    for Quest (and warmed up) answers the whole prompt."""
+    g = torch.Generator().manual_seed(3)
+    doc = torch.randint(0, 49152, (3000,), generator=g).tolist()
+    prompt = doc + torch.randint(0, 49152, (40,), generator=g).tolist()
+    params = {"token_budget": 512, "min_context": 2048, "min_layer_mb": 0}
+    kw = dict(shape=shape_config("smollm2-135m"), dtype="float32", max_model_len=4096, mode="layerwise",
+              kv_block_size=256)
+    steps = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(**kw) as llm:
+        llm.warm_up()
+        llm.generate([doc], SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.set_policy("quest", params)
+        llm.warm_up()
+        switched = llm.generate([prompt], steps)[0]
+        basis = llm.runner.policy.index.basis.clone()
+    with LLM(**kw, policy="quest", policy_params=params) as llm:
+        llm.warm_up()
+        fresh = llm.generate([prompt], steps)[0]
+        torch.testing.assert_close(basis, llm.runner.policy.index.basis, rtol=1e-4, atol=1e-4)
+    assert switched.stats.cached_tokens == 2816 and fresh.stats.cached_tokens == 0    # the doc's 11 full blocks
+    assert switched.token_ids == fresh.token_ids
