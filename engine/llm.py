@@ -166,6 +166,7 @@ class LLM:
                 self._recorder = rec
                 self.generate([[(101 + 37 * j + i) % self.args.vocab_size for j in range(n)]],
                               SamplingParams(max_tokens=steps, ignore_eos=True))
+                self.block_manager.forget_cached(keep=kept)   # its blocks clean: the next prompt takes them first
         finally:
             self._recorder, self.tier = saved, tier
             self.block_manager.forget_cached(keep=kept)

@@ -80,6 +80,15 @@ def thread_clocks(pid: int) -> dict[int, tuple[int, int, int]]:
     return out
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads made later inherit it from the thread that makes them)."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except OSError:                                # the thread ended meanwhile
+            pass
+
+
 class TurnClock:
     """Around one turn: the CPU use of the engine's thread (the process's main thread), of the engine process's
     other threads, and of the window's process, in ms."""
@@ -147,6 +156,10 @@ def main() -> int:
     ap.add_argument("--engine-thread", action="store_true",
                     help="the engine on the window's engine thread (sharing the GIL with the GUI), not in a process "
                          "of its own as `python main.py` runs it")
+    ap.add_argument("--pin", type=int, default=None, metavar="CPU",
+                    help="every engine process (the app's and the engine-only ones: their turns never overlap) on this "
+                         "CPU, the window's process on the others: every kind of turn runs on the same CPU (a GPU "
+                         "host's CPUs were seen to run at two speeds, and a process stays on its CPU for long)")
     args = ap.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -178,6 +191,12 @@ def main() -> int:
     engine = dict(win.worker.engine_config)
     alone = EngineOnly(engine, str(SAMPLE), args.tokens)
     other = EngineOnly(engine, str(SAMPLE), args.tokens) if args.control else None
+    if args.pin is not None:
+        engines = [p for p in (getattr(win.worker, "pid", None), alone.proc.pid, other and other.proc.pid) if p]
+        for pid in engines:
+            pin(pid, {args.pin})
+        pin(os.getpid(), set(os.sched_getaffinity(0)) - {args.pin})
+        print(f"pinned: engine processes {engines} on CPU {args.pin}, the window's process on the others")
     with_app, without, traced, control, refresh, backlog, unwatched, quiet = [], [], [], [], [], [], [], []
 
     def window_turn(into: list, draw: bool = True, watch: bool = True) -> None:
@@ -248,6 +267,9 @@ def main() -> int:
           f"{u:.2f} tok/s, TTFT {1e3 * med(unwatched, 'ttft_s'):.1f} ms; watching costs it {100 * (1 - d['app'] / u):.1f}% "
           f"of decode ({d['app'] / u:.2f}x), TTFT {t['app'] / med(unwatched, 'ttft_s'):.2f}x (same process: no "
           f"difference between processes in it)")
+    paired = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(with_app, unwatched)]
+    print(f"  paired round by round, app / unwatched decode: median {statistics.median(paired):.3f}x "
+          f"({min(paired):.2f}-{max(paired):.2f})")
     if quiet:
         q = med(quiet, "decode_tok_s")
         result["decode_tok_s"]["app_quiet"] = q

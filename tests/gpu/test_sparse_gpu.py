@@ -5,6 +5,7 @@ import torch
 
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
+from engine.block_manager import block_hash
 from engine.ops.sparse_prefill import block_sparse_reference, vertical_slash_reference
 from engine.ops.sparse_triton import block_sparse_triton, vertical_slash_triton
 from engine.sparse import MInferencePolicy, XAttentionPolicy
@@ -308,25 +309,39 @@ def test_the_sketch_basis_graph_gives_the_eager_basis():
 
 def test_a_switch_to_quest_and_its_warm_up_keep_the_cached_document():
     """The app switches the policy, then warms the engine up (LLM.warm_up): the document asked about under Full stays
-    cached through both, and Quest, its basis and page index made from the cached keys, answers as an engine built
-    for Quest (and warmed up) answers the whole prompt."""
+    cached through both, and Quest's basis and page index are made from the cached keys: the basis an engine built
+    for Quest makes from the whole prompt, and its first picks. (Not token for token: on random weights' flat
+    logits the prompt's rest, prefilled over the cached part, rounds apart from one whole prefill.)"""
     g = torch.Generator().manual_seed(3)
     doc = torch.randint(0, 49152, (3000,), generator=g).tolist()
     prompt = doc + torch.randint(0, 49152, (40,), generator=g).tolist()
     params = {"token_budget": 512, "min_context": 2048, "min_layer_mb": 0}
-    kw = dict(shape=shape_config("smollm2-135m"), dtype="float32", max_model_len=4096, mode="layerwise",
-              kv_block_size=256)
-    steps = SamplingParams(max_tokens=8, ignore_eos=True)
-    with LLM(**kw) as llm:
-        llm.warm_up()
-        llm.generate([doc], SamplingParams(max_tokens=2, ignore_eos=True))
-        llm.set_policy("quest", params)
-        llm.warm_up()
-        switched = llm.generate([prompt], steps)[0]
-        basis = llm.runner.policy.index.basis.clone()
-    with LLM(**kw, policy="quest", policy_params=params) as llm:
-        llm.warm_up()
-        fresh = llm.generate([prompt], steps)[0]
-        torch.testing.assert_close(basis, llm.runner.policy.index.basis, rtol=1e-4, atol=1e-4)
-    assert switched.stats.cached_tokens == 2816 and fresh.stats.cached_tokens == 0    # the doc's 11 full blocks
-    assert switched.token_ids == fresh.token_ids
+    kw = dict(shape=shape_config("smollm2-135m"), dtype="float32", max_model_len=8192, mode="layerwise",
+              kv_block_size=256)       # (the host pool holds one sequence: room for the doc and the warm-up's)
+    steps, runs = SamplingParams(max_tokens=4, ignore_eos=True), []
+    for switch in (True, False):
+        with LLM(**kw, **({} if switch else {"policy": "quest", "policy_params": params})) as llm:
+            llm.warm_up()
+            if switch:
+                llm.generate([doc], SamplingParams(max_tokens=2, ignore_eos=True))
+                llm.set_policy("quest", params)
+                llm.warm_up()
+            llm.recorder = rec = TraceRecorder(device=llm.device)
+            out = llm.generate([prompt], steps)[0]
+            picks = {(p.layer, p.kv_head): set(p.blocks.tolist())
+                     for p in next(s for s in rec.steps if s.phase == "decode").quest}
+            h, blocks = -1, []                           # the doc's blocks, as the prefix cache finds them
+            for i in range(11):
+                h = block_hash(prompt[i * 256:(i + 1) * 256], h)
+                blocks.append(llm.block_manager.hash_to_block[h])
+            rows = (torch.tensor(blocks)[:, None] * 256 + torch.arange(256)).flatten().to(llm.device)
+            index = llm.runner.policy.index
+            runs.append((out.stats.cached_tokens, index.basis.clone(), index.keys[:, :, rows].clone(), picks))
+    (cached, basis, keys, picks), (fresh_cached, fresh_basis, fresh_keys, fresh_picks) = runs
+    assert cached == 2816 and fresh_cached == 0                          # the doc's 11 full blocks
+    torch.testing.assert_close(basis, fresh_basis, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(keys[2:], fresh_keys[2:], rtol=1e-3, atol=1e-3)   # (layers 0, 1 are dense)
+    assert keys[2:].abs().amax() > 0
+    assert picks.keys() == fresh_picks.keys() and picks
+    overlap = np.mean([len(picks[k] & fresh_picks[k]) / len(picks[k] | fresh_picks[k]) for k in picks])
+    assert overlap > 0.5, overlap
