@@ -17,7 +17,7 @@ If the child dies (a crash in a driver, killed by the system), the request that 
 line, and the next request starts a new child, which loads the last model and document and gets the chat back
 (the parent keeps a copy of the history after every request): nothing the user had is lost.
 
-The child's messages go out through a thread of its own (`_Outbox`), so the engine never blocks on a full pipe
+The child's messages go out through a thread of its own (`app.outbox.Outbox`), so the engine never blocks on a full pipe
 while the window's process is slow to read it, in batches (at most one send per SEND_EVERY_S), so that thread
 wakes, and takes the GIL from the engine's, ~50 times a second rather than once per step. Pickled per step: a step
 without a timeline ~10 µs, one with it 0.1-0.8 ms (10 per second at most, the live detail rate), under 1% of a GPU
@@ -26,18 +26,15 @@ decode's time.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import signal
-import threading
-import time
 from functools import partial
 
 from PySide6.QtCore import Slot
 
+from app.outbox import Outbox
 from app.worker import EngineWorker, WorkerBase
 
 CLOSE_S = 30.0       # closing waits this long for the child to close the engine (the disk tier's last writes)
-SEND_EVERY_S = 0.02  # the child sends what it has to say at most this often (one batch)
 
 
 class SharedFlag:
@@ -57,57 +54,12 @@ class SharedFlag:
         return bool(self._v.value)
 
 
-class _Outbox:
-    """Everything the child says to the window, in order, sent by a thread of its own: the engine never waits for
-    a full pipe (the window's process reads it only when its GUI thread lets go of the GIL). Also the child's
-    telemetry 'deque': `append(step)` queues an engine step."""
-
-    def __init__(self, conn):
-        self.conn, self.queue = conn, queue.SimpleQueue()
-        self.backlog = 0                                   # the most messages waiting at once since the last request
-        self.thread = threading.Thread(target=self._run, name="kvscope-outbox", daemon=True)
-        self.thread.start()
-
-    def put(self, message: tuple) -> None:
-        self.queue.put(message)
-
-    def append(self, step) -> None:
-        self.queue.put(("step", step))
-        self.backlog = max(self.backlog, self.queue.qsize())
-
-    def signal(self, name: str, *args) -> None:
-        self.queue.put(("signal", name, args))
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(CLOSE_S)
-
-    def _run(self) -> None:
-        """Send what is queued, at most every SEND_EVERY_S, as one batch: at a few hundred steps a second one send
-        per step woke this thread (and took the GIL from the engine's thread) that often."""
-        last = 0.0
-        while True:
-            batch = [self.queue.get()]
-            time.sleep(max(0.0, last + SEND_EVERY_S - time.monotonic()))     # let the steps of a moment gather
-            while not self.queue.empty():
-                batch.append(self.queue.get())
-            end = batch.index(None) if None in batch else len(batch)
-            try:
-                if end:
-                    self.conn.send(("batch", batch[:end]))
-            except OSError:                                # the window's process is gone: nothing to tell
-                return
-            if end < len(batch):
-                return
-            last = time.monotonic()
-
-
 def serve(conn, cancel: SharedFlag) -> None:
     """The child's main loop: (request, args) in, signals and steps out, then ("done", state) per request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the window's: it closes this process in order
     worker = EngineWorker()
     worker._cancel = cancel
-    out = worker.telemetry = _Outbox(conn)
+    out = worker.telemetry = Outbox(conn)
     for name in worker.SIGNALS:
         getattr(worker, name).connect(partial(out.signal, name))
     try:

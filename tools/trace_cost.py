@@ -9,6 +9,8 @@ Variants (the order rotates every round, each turn a fresh random prompt):
           in the offload modes on CUDA LOW_DETAIL_HZ)
   lean    the same recorder with no per-layer timeline in decode (metrics, picks, host spans only)
   full    a timeline in every step
+  send    `live`, each step sent as the app's engine process sends it (app/outbox.py: a thread of its own
+          pickles batches into a pipe) to another process that reads them (as the window's process does)
   record  `live`, and the turn then saved as a recording (`--record`: app/record.py, engine/trace/recording.py),
           the write's time counted in the whole turn
 Per variant, medians over turns: the turn's decode ms/token as `generate` reports it (first to last token), the
@@ -20,7 +22,8 @@ at a detail rate, `full` every chunk).
 `--profile VARIANT` adds a cProfile of that variant's last turn (the host functions, by own time).
 `--blocks N` measures the steady steps alone, with less of the host's drift: one long answer, the recorder swapped
 every N steps (the variants in turn, the order rotating every round, 5 steps after each swap not timed); per variant
-the median over rounds of each block's median step, and each block against the same round's `plain` one.
+the median over rounds of each block's median step and of its mean step (the mean counts the detailed steps too),
+and each block's mean against the same round's `plain` one.
 """
 from __future__ import annotations
 
@@ -42,12 +45,24 @@ from engine.sparse import parse_policy_spec  # noqa: E402
 from engine.trace import TraceRecorder  # noqa: E402
 from engine.trace.recording import save_recording  # noqa: E402
 
-VARIANTS = ("plain", "live", "lean", "full", "record")
+VARIANTS = ("plain", "live", "lean", "full", "send", "record")
+OUTBOX: list = []         # `send`: the app's outbox, its pipe read by another process (made once, in main)
+
+
+def _read_all(conn) -> None:
+    """The window's side of the pipe, as far as the engine's process can tell: every batch read (unpickled)."""
+    while True:
+        try:
+            conn.recv()
+        except EOFError:
+            return
 
 
 def recorder(variant: str, device, mode: str):
     if variant == "plain":
         return None
+    if variant == "send":
+        return TraceRecorder.live(device, mode=mode, on_step=OUTBOX[0].append)
     hz = {"live": None, "record": None, "lean": 1e-9, "full": 1e9}[variant]
     return TraceRecorder.live(device, mode=mode) if hz is None else TraceRecorder(max_steps=512, device=device,
                                                                                   detail_hz=hz)
@@ -134,6 +149,12 @@ def main() -> None:
     llm = LLM(a.model, shape=None if a.model else shape_config(a.shape),
               max_model_len=a.ctx + max(a.steps, rounds_steps) + 8, mode=a.mode, policy=name, policy_params=params,
               max_num_seqs=1, **kw)
+    if "send" in variants:
+        import multiprocessing as mp
+        from app.outbox import Outbox
+        reader, writer = mp.Pipe(duplex=False)
+        mp.get_context("spawn").Process(target=_read_all, args=(reader,), daemon=True).start()
+        OUTBOX.append(Outbox(writer))
     if a.blocks:
         return blocks(llm, a, variants, rounds_steps)
     gen = torch.Generator().manual_seed(0)
@@ -199,15 +220,17 @@ def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
                     times.append((time.perf_counter() - t0) * 1e3)
             if llm.recorder.enabled:
                 llm.recorder.flush()
-            res[v].append(statistics.median(times))
+            res[v].append((statistics.median(times), statistics.fmean(times)))
     llm.recorder = None
     print(f"{llm.device} {a.mode} {a.policy} ctx {a.ctx}..{len(seq)}: blocks of {a.blocks} steady steps of one answer, "
-          f"{a.turns} rounds (ms/step, median over rounds of each block's median)")
+          f"{a.turns} rounds (ms/step, median over rounds of each block's median / mean step)")
     for v in variants:
-        line = f"  {v:6s} {statistics.median(res[v]):.4f}  rounds: " + " ".join(f"{t:.3f}" for t in res[v])
+        medians, means = [m for m, _ in res[v]], [m for _, m in res[v]]
+        line = (f"  {v:6s} {statistics.median(medians):.4f} / {statistics.median(means):.4f}  block means: "
+                + " ".join(f"{t:.3f}" for t in means))
         if "plain" in res and v != "plain":
-            paired = [t / u for t, u in zip(res[v], res["plain"])]
-            line += f"\n         against plain, round by round: median {statistics.median(paired):.3f}x " \
+            paired = [t / u for t, u in zip(means, [m for _, m in res["plain"]])]
+            line += f"\n         mean against plain, round by round: median {statistics.median(paired):.3f}x " \
                     f"({min(paired):.3f}-{max(paired):.3f})"
         print(line)
 
