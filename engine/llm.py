@@ -92,18 +92,14 @@ class LLM:
             progress(1.0, "ready")
 
     def set_policy(self, name: str, params: dict | None = None) -> None:
-        """Switch the sparse policy between requests. The prefix cache is kept where its KV is what the new policy
-        would compute: both policies prefill densely (neither is a prefill policy) and the old one decoded densely
-        (a sparse decode's answer tokens carry KV made from approximate attention); the new policy is then shown
-        the cached blocks' keys, as KV read from the disk tier is (Quest's page index). Otherwise (from Quest back to
-        Full, to or from MInference or XAttention) it is dropped, so the next prompt really runs the new policy."""
+        """Switch the sparse policy between requests. The prefix cache stays where its KV is what the new policy
+        computes (both prefill densely, and the old one decoded densely), and the new one is shown its keys (Quest's
+        page index); otherwise it is dropped, so the next prompt really runs the new policy."""
         if not self.scheduler.is_finished():
             raise ConfigError("the policy cannot change while a request runs: stop it or wait for the answer")
-        old = self.runner.policy
-        policy = make_policy(name, params, self.config.mode)
+        old, policy = self.runner.policy, make_policy(name, params, self.config.mode)
         self.runner.set_policy(policy)
-        new = self.runner.policy
-        if old.supports_prefill or new.supports_prefill or old.plans_loads:
+        if old.supports_prefill or policy.supports_prefill or old.plans_loads:   # (plans_loads: a sparse decode)
             self.block_manager.forget_cached()
         else:
             self.runner.written(self.block_manager.cached_ids())
@@ -143,10 +139,9 @@ class LLM:
         two throwaway prompts of different lengths (compiled functions specialise on the first shape and turn
         dynamic on the second), a few decode steps each (every layer's CUDA graph in each ring buffer), the second
         traced (gpu mode's traced graphs), both at least as long as the policy needs to run sparse
-        (`warm_up_tokens`, where the context holds it). Its KV leaves the prefix cache (what was cached before stays)
-        and never reaches the disk tier; nothing is recorded to the engine's recorder. Nothing to do on CPU.
-        `progress` hears that it runs. Run it again after `set_policy` (the app does): a new policy's kernels and
-        graphs are made then."""
+        (`warm_up_tokens`, where the context holds it). Their KV leaves the prefix cache (what was cached before
+        stays) and the disk tier never sees it; nothing is recorded. Nothing to do on CPU. `progress` hears that it
+        runs. Run it again after `set_policy` (the app does): a new policy's kernels and graphs are made then."""
         if self.device.type != "cuda":
             return
         if progress:
@@ -156,7 +151,7 @@ class LLM:
         a = self.args
         warm_up_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device)
         tier, saved, self.tier = self.tier, self._recorder, None
-        kept = dict(self.block_manager.hash_to_block)    # the user's cached prompts (a policy switch keeps them)
+        kept = dict(self.block_manager.hash_to_block)    # the user's cached prompts (kept by a policy switch)
         steps = self.config.ring_slots + 2
         room = min(self.max_model_len, self.kv_capacity_tokens) - steps - 1
         try:
