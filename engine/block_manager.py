@@ -27,10 +27,12 @@ def block_hash(token_ids: list[int], prefix: int = -1) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    """`exact`: its KV is what a dense prefill computes (False once a sparse decode step wrote a token's KV into it:
+    attention over a subset of the context; such a block is kept from the disk tier and from other policies)."""
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "exact")
 
     def __init__(self, block_id: int):
-        self.block_id, self.ref_count, self.hash, self.token_ids = block_id, 0, -1, []
+        self.block_id, self.ref_count, self.hash, self.token_ids, self.exact = block_id, 0, -1, [], True
 
 
 class BlockManager:
@@ -58,7 +60,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its old contents are about to be overwritten
-        block.ref_count, block.hash, block.token_ids = 1, -1, []
+        block.ref_count, block.hash, block.token_ids, block.exact = 1, -1, [], True
         self.cached.pop(block_id, None)  # a clean block is only ever taken from the top of the heap
         self.used_ids.add(block_id)
         return block
@@ -114,12 +116,13 @@ class BlockManager:
         """The blocks the prefix cache can hand out (in use or free), ascending."""
         return sorted(self.hash_to_block.values())
 
-    def forget_cached(self, keep: dict[int, int] | None = None) -> None:
+    def forget_cached(self, keep: dict[int, int] | None = None, inexact_only: bool = False) -> None:
         """Drop every prefix-cache key but those of `keep` (a copy of `hash_to_block` taken earlier) whose block
-        still holds them; blocks in use keep their contents, free ones without a key become clean."""
+        still holds them (`inexact_only`: the keys of blocks that are not `exact`); blocks in use keep their
+        contents, free ones without a key become clean."""
         keep = keep or {}
         for block in self.blocks:
-            if block.hash != -1 and keep.get(block.hash) != block.block_id:
+            if block.hash != -1 and keep.get(block.hash) != block.block_id and not (inexact_only and block.exact):
                 if self.hash_to_block.get(block.hash) == block.block_id:
                     del self.hash_to_block[block.hash]
                 block.hash, block.token_ids = -1, []

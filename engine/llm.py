@@ -92,17 +92,15 @@ class LLM:
             progress(1.0, "ready")
 
     def set_policy(self, name: str, params: dict | None = None) -> None:
-        """Switch the sparse policy between requests. The prefix cache stays where its KV is what the new policy
-        computes (both prefill densely, and the old one decoded densely), and the new one is shown its keys (Quest's
-        page index); otherwise it is dropped, so the next prompt really runs the new policy."""
+        """Switch the sparse policy between requests. Where both prefill densely, the prefix cache keeps the blocks
+        whose KV a dense prefill computes (not those a sparse decode wrote to) and the new policy is shown their keys
+        (Quest's page index); otherwise it is dropped, so the next prompt really runs the new policy."""
         if not self.scheduler.is_finished():
             raise ConfigError("the policy cannot change while a request runs: stop it or wait for the answer")
         old, policy = self.runner.policy, make_policy(name, params, self.config.mode)
         self.runner.set_policy(policy)
-        if old.supports_prefill or policy.supports_prefill or old.plans_loads:   # (plans_loads: a sparse decode)
-            self.block_manager.forget_cached()
-        else:
-            self.runner.written(self.block_manager.cached_ids())
+        self.block_manager.forget_cached(inexact_only=not (old.supports_prefill or policy.supports_prefill))
+        self.runner.written(self.block_manager.cached_ids())
         self.config.policy, self.config.policy_params = name, dict(params or {})
         if self.tier is not None and self.tier.fmt.model_id != self._kv_identity():
             self.tier.close()                  # sparse prefill KV is not dense KV: pages of another namespace
@@ -279,6 +277,10 @@ class LLM:
         self._steps += 1
         try:
             tokens = self.runner.run(seqs, is_prefill, ctx)
+            if not is_prefill and self.runner.policy.plans_loads:   # attention over a subset: not a prefill's KV
+                bm = self.block_manager
+                for s in seqs:
+                    bm.blocks[s.block_table[(len(s) - 1) // bm.block_size]].exact = False
         except Cancelled:
             for s in seqs:
                 if is_prefill:

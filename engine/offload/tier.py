@@ -113,7 +113,8 @@ class DiskTier:
     def write_back(self, seq: Sequence) -> None:
         """Hand the sequence's full blocks not yet handed over to the writer (after its prefill, and as decode
         fills blocks; called before the step's new token is appended, so every token of `seq` has its KV). Each
-        is held until its write is acknowledged."""
+        is held until its write is acknowledged. Blocks a sparse decode wrote to (not `exact`) are never written:
+        the store's pages are what a dense prefill computes, whatever decode policy runs."""
         bs = self.fmt.page_size
         done = self._written.get(seq.seq_id, 0)
         full = min(len(seq) // bs, len(seq.block_table))
@@ -123,7 +124,7 @@ class DiskTier:
         self.kv.sync()                       # the host copies of these blocks have landed
         for i in range(done, full):
             block = seq.block_table[i]
-            if self.store.contains(keys[i]):
+            if self.store.contains(keys[i]) or not self.bm.blocks[block].exact:   # (a sparse decode's: not on disk)
                 continue
             self.bm.hold(block)
             self.writer.submit(keys[i], self.kv.block(block), block)

@@ -226,10 +226,10 @@ def _first_decode_picks(rec: TraceRecorder) -> list[tuple]:
     return [(p.layer, p.kv_head, p.blocks.tolist()) for p in step.quest]
 
 
-def test_a_switch_from_full_keeps_the_cached_document_and_a_switch_back_drops_it(default_model_dir):
+def test_a_switch_keeps_the_cached_prefill_kv_and_drops_what_a_sparse_decode_wrote(default_model_dir):
     """Full's KV is what Quest would compute: after a switch the document's cached blocks are reused, and Quest,
-    shown their keys, picks and answers as an engine built for it. Quest's answer tokens carry KV made from
-    sparse attention: a switch back to Full computes the prompt again."""
+    shown their keys, picks and answers as an engine built for it. Quest's answer tokens carry KV made from sparse
+    attention: back under Full, the blocks its decode wrote to are computed again, the prefill's are reused."""
     quest = {"token_budget": 256, "min_context": 0, "min_layer_mb": 0}
     doc, prompt = list(range(3000, 3700)), list(range(3000, 3700)) + list(range(100, 140))
     kw = dict(device="cpu", kv_block_size=64, mode="layerwise", max_model_len=1024, gpu_kv_budget_gb=0.012)
@@ -239,12 +239,15 @@ def test_a_switch_from_full_keeps_the_cached_document_and_a_switch_back_drops_it
         llm.set_policy("quest", quest)
         llm.recorder = rec = TraceRecorder()
         switched = llm.generate([prompt], six)[0]
+        llm.recorder = None
+        answer = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]   # fills block 11
         llm.set_policy("full")
-        back = llm.generate([prompt], six)[0]
+        back = llm.generate([prompt + answer.token_ids + [1, 2, 3]], six)[0]
     with LLM(str(default_model_dir), policy="quest", policy_params=quest, **kw) as llm:
         llm.recorder = fresh_rec = TraceRecorder()
         fresh = llm.generate([prompt], six)[0]
     assert switched.stats.cached_tokens == 640 and fresh.stats.cached_tokens == 0    # the doc's 10 full blocks
     assert _first_decode_picks(rec) == _first_decode_picks(fresh_rec) != []
     assert switched.token_ids == fresh.token_ids
-    assert back.stats.cached_tokens == 0
+    assert answer.stats.cached_tokens == 704                       # the prompt's 11 full blocks, all prefill's
+    assert back.stats.cached_tokens == 704                         # not block 11: Quest's decode wrote tokens 740-767

@@ -153,3 +153,14 @@ def test_forgetting_the_cache_keeps_what_was_cached_before_and_still_is():
     again = Sequence(list(range(50, 60)), SamplingParams(), 4)
     bm.allocate(again)
     assert again.num_cached_tokens == 8 and again.block_table[:2] == tables[1]
+
+
+def test_blocks_a_sparse_decode_wrote_to_never_reach_the_disk(default_model_dir, tmp_path):
+    """Quest's answer tokens carry KV from attention over a subset: the store keeps only what prefill computes (its
+    pages are read by every decode policy)."""
+    quest = {"policy": "quest", "policy_params": {"token_budget": 256, "page_size": 16, "dense_layers": 2,
+                                                   "min_context": 0, "min_layer_mb": 0}}
+    llm = _llm(default_model_dir, tmp_path, mode="layerwise", **quest)
+    _run(llm, PROMPT, SamplingParams(max_tokens=80, ignore_eos=True))   # 700 + 80 tokens: blocks 10 and 11 filled
+    llm.close()                                                         # (the writer's last writes finish)
+    assert len(list(tmp_path.glob("*/*/*.kvp"))) == 10                  # the prompt's 10 full blocks only
