@@ -161,6 +161,6 @@ def test_blocks_a_sparse_decode_wrote_to_never_reach_the_disk(default_model_dir,
     quest = {"policy": "quest", "policy_params": {"token_budget": 256, "page_size": 16, "dense_layers": 2,
                                                    "min_context": 0, "min_layer_mb": 0}}
     llm = _llm(default_model_dir, tmp_path, mode="layerwise", **quest)
-    _run(llm, PROMPT, SamplingParams(max_tokens=80, ignore_eos=True))   # 700 + 80 tokens: blocks 10 and 11 filled
+    _run(llm, PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))    # block 10 filled by tokens 700-703
     llm.close()                                                         # (the writer's last writes finish)
     assert len(list(tmp_path.glob("*/*/*.kvp"))) == 10                  # the prompt's 10 full blocks only
