@@ -112,6 +112,11 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids = -1, []
 
+    def mark_inexact(self, seqs: list[Sequence]) -> None:
+        """A sparse decode step wrote each sequence's newest token's KV (attention over a subset of the context)."""
+        for seq in seqs:
+            self.blocks[seq.block_table[(len(seq) - 1) // self.block_size]].exact = False
+
     def cached_ids(self) -> list[int]:
         """The blocks the prefix cache can hand out (in use or free), ascending."""
         return sorted(self.hash_to_block.values())

@@ -278,9 +278,7 @@ class LLM:
         try:
             tokens = self.runner.run(seqs, is_prefill, ctx)
             if not is_prefill and self.runner.policy.plans_loads:   # attention over a subset: not a prefill's KV
-                bm = self.block_manager
-                for s in seqs:
-                    bm.blocks[s.block_table[(len(s) - 1) // bm.block_size]].exact = False
+                self.block_manager.mark_inexact(seqs)
         except Cancelled:
             for s in seqs:
                 if is_prefill:
