@@ -6,7 +6,8 @@
 From steps, over the most recent ones (`window` steps): decode tokens/s is decode tokens over the decode steps'
 time; H2D/D2H GB/s are the bytes of the copy spans over the time their lane was busy (`summarize`), or, where
 spans carry no bytes, the `bytes_h2d`/`bytes_d2h` metrics over the steps' time; GPU memory is the latest
-`gpu_mem_allocated` (CUDA only); host KV is the latest `mem_kv_used` in the offload modes (their KV lives in host
+`gpu_mem_allocated` seen (CUDA only; the engine reads it in detailed steps only, so it stays until a newer one
+comes or the strip is cleared); host KV is the latest `mem_kv_used` in the offload modes (their KV lives in host
 memory; in gpu mode it says "on GPU"). A figure with nothing to show reads "—".
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ class MetricsStrip(QWidget):
         super().__init__(parent)
         self.window = window
         self._values: dict[str, QLabel] = {}
+        self._gpu_mem: tuple[float, float | None] | None = None    # (allocated, peak) of the latest step with them
         self._captions: list[QLabel] = []
         layout = QHBoxLayout(self)
         layout.setContentsMargins(4, 2, 4, 2)
@@ -107,6 +109,7 @@ class MetricsStrip(QWidget):
         self._values[key].setText(text if text else NONE)
 
     def clear(self) -> None:
+        self._gpu_mem = None
         for key in self._values:
             self._set(key, None)
 
@@ -145,9 +148,13 @@ class MetricsStrip(QWidget):
         latest = {}
         for s in recent:
             latest.update(s.metrics)
-        gpu = latest.get("gpu_mem_allocated", latest.get("mem_gpu_allocated"))
+        for s in reversed(steps):          # (a detailed step, maybe older than the window: the others lack it)
+            gpu = s.metrics.get("gpu_mem_allocated", s.metrics.get("mem_gpu_allocated"))
+            if gpu is not None:
+                self._gpu_mem = gpu, s.metrics.get("gpu_mem_peak")
+                break
+        gpu, peak = self._gpu_mem or (None, None)
         self._set("gpu_mem", fmt_bytes(gpu) if gpu is not None else None)
-        peak = latest.get("gpu_mem_peak")
         self._values["gpu_mem"].setToolTip(f"peak {fmt_bytes(peak)}" if peak is not None else "")
         offload = any(k in latest for k in ("bytes_h2d", "bytes_d2h")) or any(s.slots for s in recent)
         kv = latest.get("mem_kv_used")

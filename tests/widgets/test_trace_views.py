@@ -1,4 +1,5 @@
 """The trace views on real traces of the engine (tiny default model, CPU): what the user sees in them."""
+import dataclasses
 import os
 import re
 import subprocess
@@ -231,6 +232,22 @@ def test_metrics_strip_shows_copy_bandwidth_and_turn_stats(qtbot, layerwise_step
     gpu = _shown(qtbot, MetricsStrip(), h=60)
     gpu.update_from_steps(gpu_steps)
     assert gpu.value("h2d_gbps") == "—" and gpu.value("host_kv") == "on GPU"
+
+
+def test_gpu_memory_stays_shown_between_the_steps_that_read_it(qtbot, gpu_steps):
+    # On CUDA the engine reads the allocator's figures in detailed steps only (a few a second): the strip showed
+    # "—" whenever its window of recent steps held none (the H100 screenshots), though the status bar had it.
+    detailed = dataclasses.replace(gpu_steps[0], metrics={**gpu_steps[0].metrics, "gpu_mem_allocated": 3 * 2**30,
+                                                           "gpu_mem_peak": 5 * 2**30})
+    strip = _shown(qtbot, MetricsStrip(window=4), h=60)
+    strip.update_from_steps([detailed])
+    assert strip.value("gpu_mem") == "3.0 GiB"
+    for _ in range(3):                                      # later ticks: steps without the figure
+        strip.update_from_steps(gpu_steps[1:] * 4)
+    assert strip.value("gpu_mem") == "3.0 GiB" and strip._values["gpu_mem"].toolTip() == "peak 5.0 GiB"
+    strip.clear()                                           # a new engine: nothing known
+    strip.update_from_steps(gpu_steps[1:])
+    assert strip.value("gpu_mem") == "—"
 
 
 # ---------------------------------------------------------------- export, menus, colours
