@@ -34,6 +34,7 @@ STATE_COLORS = {FREE: "#7F7F7F", LOADING: KIND_COLORS[H2D], READY: "#AD8716", CO
 DEFAULT_MAX_STEPS = 200
 OVERLAY_LIVE_MS = 250     # labels and the summary line: at most this often while following live steps
 OVERLAY_PAN_MS = 40       # ... and while the user pans or zooms
+IDLE_GAP_MS = 500         # following live: steps further apart than this are different bursts (turns, loads)
 
 
 def luminance(color) -> float:
@@ -85,8 +86,9 @@ class TracePlot(QWidget):
     the history (`_redraw`), describe a point (`tooltip_at`) and may refresh overlays for the visible range
     (`refresh_overlays`, debounced while the user pans).
 
-    `follow` (default on) keeps the newest step in view as steps are appended; a manual pan or zoom turns it off
-    (`followChanged` says so)."""
+    `follow` (default on) keeps the newest step in view as steps are appended, and never more than the newest
+    burst of steps (those with no idle gap over IDLE_GAP_MS between them: the turn that runs, not the idle time
+    since the last one); a manual pan or zoom turns it off (`followChanged` says so)."""
 
     followChanged = Signal(bool)
 
@@ -179,7 +181,7 @@ class TracePlot(QWidget):
         if self._follow:
             self._scrolling = True
             try:
-                self.scroll_to_latest()
+                self.scroll_to_latest(arrived=True)
             finally:
                 self._scrolling = False
         self._schedule_overlays()
@@ -228,18 +230,32 @@ class TracePlot(QWidget):
         if ext is not None:
             self.viewbox.setXRange(ext[0], max(ext[1], ext[0] + 1e-3), padding=0.01)
 
-    def scroll_to_latest(self) -> None:
-        """Keep the visible width and put the newest step's end at the right edge (the whole history where it is
-        no wider, or where only one step is shown)."""
-        ext = self.extent_ms()
-        if ext is None:
+    def burst_ms(self) -> tuple[float, float] | None:
+        """Time span of the newest burst of steps, in ms: back from the newest step to the first idle gap over
+        IDLE_GAP_MS (None when empty)."""
+        if not self._history:
+            return None
+        end = max(s.t1_us for s, _ in self._history)
+        start = self._history[-1][0].t0_us
+        for step, _ in reversed(self._history):
+            if start - step.t1_us > IDLE_GAP_MS * 1e3:
+                break
+            start = min(start, step.t0_us)
+        return start / 1e3, end / 1e3
+
+    def scroll_to_latest(self, arrived: bool = False) -> None:
+        """Keep the visible width and put the newest step's end at the right edge; the whole newest burst where it
+        is no wider, is a single step, or (`arrived`: steps just came) begins after the visible range (a new turn):
+        an idle gap before the running turn is never shown."""
+        burst = self.burst_ms()
+        if burst is None:
             return
         x0, x1 = self.visible_ms()
         width = x1 - x0
-        if len(self._history) == 1 or width >= ext[1] - ext[0]:
-            self.fit()
+        if width >= burst[1] - burst[0] or len(self._history) == 1 or (arrived and x1 < burst[0]):
+            self.viewbox.setXRange(burst[0], max(burst[1], burst[0] + 1e-3), padding=0.01)
         else:
-            self.viewbox.setXRange(ext[1] - width, ext[1], padding=0)
+            self.viewbox.setXRange(burst[1] - width, burst[1], padding=0)
 
     # ---------------------------------------------------------------- follow
     @property

@@ -169,6 +169,35 @@ def test_follow_live_and_bounded_history(qtbot, layerwise_steps):
     assert view.bar_count() == 0 and view.summary_label.text() == "no steps yet"
 
 
+def test_following_live_shows_the_running_turn_not_the_idle_time_before_it(qtbot, default_model_dir):
+    # Two turns of one engine with the user idle between them: following, the view showed both turns and the gap
+    # (the H100 screenshot's timeline: 9.5 s wide, its two turns slivers at the edges).
+    import time
+
+    from engine import LLM, SamplingParams
+    from engine.trace import TraceRecorder
+    from widgets.trace_common import IDLE_GAP_MS
+
+    llm = LLM(str(default_model_dir), device="cpu", mode="layerwise", ring_slots=2, kv_block_size=16,
+              max_model_len=512, torch_threads=1)
+    llm.recorder = rec = TraceRecorder()
+    llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    first = len(rec.steps)
+    time.sleep(IDLE_GAP_MS / 1e3 + 0.3)
+    llm.generate([list(range(2000, 2100))], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps, llm = list(rec.steps), llm.close()
+    turn = steps[first:]
+    view = _shown(qtbot, TimelineView())
+    view.append_steps(steps[:first])
+    view.append_steps(turn)
+    x0, x1 = view.visible_ms()
+    lo, hi = min(s.t0_us for s in turn) / 1e3, max(s.t1_us for s in turn) / 1e3
+    assert steps[first - 1].t1_us / 1e3 < x0 <= lo and hi <= x1 <= hi + 0.02 * (hi - lo)
+    assert view.burst_ms() == pytest.approx((lo, hi))
+    view.fit()                                             # Fit still shows both turns
+    assert view.visible_ms()[0] <= steps[0].t0_us / 1e3
+
+
 def test_a_live_draw_brings_its_summary_and_labels_with_it(qtbot, layerwise_steps):
     """Following live steps, the summary line and the bar labels change in the same draw as the bars (a refresh a
     timer later painted the plot twice), at most every OVERLAY_LIVE_MS; a draw sooner than that refreshes later."""
