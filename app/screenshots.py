@@ -60,7 +60,7 @@ def ask_and_wait(app, window, question: str, timeout_s: float) -> dict:
     if last["role"] != "assistant":
         raise RuntimeError(f"the turn failed: {last['text']}")
     for view in (window.timeline, window.ring):
-        view.fit()
+        view.fit_burst()                   # the turn just answered, not the idle time since the one before
     settle(app, 0.3)
     return last["stats"] or {}
 

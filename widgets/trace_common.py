@@ -243,6 +243,12 @@ class TracePlot(QWidget):
             start = min(start, step.t0_us)
         return start / 1e3, end / 1e3
 
+    def fit_burst(self) -> None:
+        """Show the newest burst of steps whole (the last turn, without the idle time before it)."""
+        burst = self.burst_ms()
+        if burst is not None:
+            self.viewbox.setXRange(burst[0], max(burst[1], burst[0] + 1e-3), padding=0.01)
+
     def scroll_to_latest(self, arrived: bool = False) -> None:
         """Keep the visible width and put the newest step's end at the right edge; the whole newest burst where it
         is no wider, is a single step, or (`arrived`: steps just came) begins after the visible range (a new turn):
@@ -253,7 +259,7 @@ class TracePlot(QWidget):
         x0, x1 = self.visible_ms()
         width = x1 - x0
         if width >= burst[1] - burst[0] or len(self._history) == 1 or (arrived and x1 < burst[0]):
-            self.viewbox.setXRange(burst[0], max(burst[1], burst[0] + 1e-3), padding=0.01)
+            self.fit_burst()
         else:
             self.viewbox.setXRange(burst[1] - width, burst[1], padding=0)
 

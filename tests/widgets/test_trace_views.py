@@ -196,6 +196,9 @@ def test_following_live_shows_the_running_turn_not_the_idle_time_before_it(qtbot
     assert view.burst_ms() == pytest.approx((lo, hi))
     view.fit()                                             # Fit still shows both turns
     assert view.visible_ms()[0] <= steps[0].t0_us / 1e3
+    view.fit_burst()                                       # (the screenshots': the last turn whole)
+    x0, x1 = view.visible_ms()
+    assert steps[first - 1].t1_us / 1e3 < x0 <= lo and hi <= x1 <= hi + 0.02 * (hi - lo)
 
 
 def test_a_live_draw_brings_its_summary_and_labels_with_it(qtbot, layerwise_steps):
