@@ -111,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                 path = args.outdir / f"window-{name}.png"
                 if not window.grab().save(str(path), "PNG"):
                     raise OSError(f"could not write {path}")
+                steps = sorted(s.dur_us / 1e3 for s in window.worker.turn_steps if s.phase == "decode")
+                at = f" (steps {steps[len(steps) // 2]:.2f} ms median, {steps[-1]:.2f} ms longest)" if steps else ""
                 print(f"{path}: {mode}, prompt {stats.get('prompt_tokens')} tok, TTFT {stats.get('ttft_s', 0):.2f} s, "
-                      f"finish {stats.get('finish_reason')}", flush=True)
+                      f"decode {stats.get('decode_tok_s') or 0:.1f} tok/s{at}, finish {stats.get('finish_reason')}",
+                      flush=True)
         finally:
             window.close()
     return 0
