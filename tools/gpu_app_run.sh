@@ -7,7 +7,8 @@
 # the default model), then run this from the project root. On a CUDA workstation with the project installed it runs
 # as it is. It prints: the default model's conversion, the first turn of a fresh process per mode (CLI: time to
 # first token, decode tok/s), then the real window offscreen answering in gpu, layerwise (full and Quest) and gpu +
-# MInference with a screenshot of each, then the app's cost to the engine per mode and with Quest (tools/app_overhead.py).
+# MInference with a screenshot of each, then the app's cost to the engine per mode and with Quest (tools/app_overhead.py),
+# then the app's engine process alone against the CLI's, pinned to one CPU (tools/engine_process_cost.py).
 set -uo pipefail
 out=${1:-gpu-run}
 mkdir -p "$out"
@@ -33,3 +34,7 @@ done
 echo "-- layerwise, Quest (budget 1024, sparse from 1024 tokens: the sample runs sparse; each step carries its picks)"
 timeout 600 $py tools/app_overhead.py --runs 8 --tokens 64 --mode layerwise \
   --policy quest:min_context=1024:min_layer_mb=0:token_budget=1024 2>&1 | tail -3
+echo "== the app's engine process (watched, unwatched) against the CLI's engine, no window, pinned to CPU 3"
+for mode in layerwise chunked; do
+  timeout 400 $py tools/engine_process_cost.py --mode "$mode" --rounds 8 --pin 3 2>&1 | tail -4
+done
