@@ -70,6 +70,8 @@ def param_widget(param: Param) -> QWidget:
         lo = -INT_LIMIT if param.min is None else math.floor(param.min) + 1 if param.min_open else math.ceil(param.min)
         hi = INT_LIMIT if param.max is None else min(INT_LIMIT, math.floor(param.max))
         box = spin_box(max(lo, -INT_LIMIT), hi, int(param.default), max(1, int(param.step)), tip)
+        if param.special:
+            box.setSpecialValueText(param.special)     # shown at the minimum (e.g. 0 = auto)
     else:
         decimals = _decimals(param)
         lo = -FLOAT_LIMIT if param.min is None else param.min + (10.0 ** -decimals if param.min_open else 0)

@@ -177,11 +177,13 @@ class SparsePrefillPolicy(SparsePolicy):
     the other devices, and `record` (the pattern and its density per head to the trace).
 
     A layer runs dense, and says why (`dense_reasons`, the stats' `sparse: false, reason`), below `min_len`
-    keys, with fewer than 64 new queries, and when its pattern keeps more pairs than the sparse path computes
-    faster than dense attention: `cpu_dense_above` (the gathered path, measured with bench --text sample) and
-    `gpu_dense_above` (our kernels' pace per pair, measured with bench --kernels), 1 = always sparse. A layer that
-    ran dense records no mask. This keeps the density per layer of the last prefill."""
+    keys (0, where the spec allows it: `auto_min_len`, per device), with fewer than 64 new queries, and when its
+    pattern keeps more pairs than the sparse path computes faster than dense attention: `cpu_dense_above` (the
+    gathered path, measured with bench --text sample) and `gpu_dense_above` (our kernels' pace per pair, measured
+    with bench --kernels), 1 = always sparse. A layer that ran dense records no mask. This keeps the density per
+    layer of the last prefill."""
     block = 128
+    auto_min_len = (8192, 8192)   # min_len 0 (where the spec allows it): (off CUDA, on CUDA)
 
     def __init__(self, min_len: int, cpu_dense_above: float, gpu_dense_above: float):  # noqa: D107
         self.min_len, self.cpu_dense_above, self.gpu_dense_above = min_len, cpu_dense_above, gpu_dense_above
@@ -192,8 +194,13 @@ class SparsePrefillPolicy(SparsePolicy):
         self._pairs.clear()
         self.dense_reasons.clear()
 
+    def min_len_on(self, cuda: bool) -> int:
+        """The prompt length below which a layer runs dense, on this device (min_len, or its auto value)."""
+        return self.min_len or self.auto_min_len[bool(cuda)]
+
     def warm_up_tokens(self) -> int:
-        return max(self.min_len, 64)
+        layout = getattr(self, "layout", None)
+        return max(self.min_len_on(layout is None or str(layout.device).startswith("cuda")), 64)
 
     def estimate(self, q, k, scale: float):
         raise NotImplementedError
@@ -225,8 +232,9 @@ class SparsePrefillPolicy(SparsePolicy):
     def _sparse(self, q, k, v, scale):
         """(out, pairs per head, pattern), or a string: why this layer runs dense."""
         tq, tk = q.shape[0], k.shape[0]
-        if tk < self.min_len:
-            return f"the prompt ({tk:,} tokens) is below min_len {self.min_len:,}"
+        if tk < (least_len := self.min_len_on(q.is_cuda)):
+            auto = "" if self.min_len else " (auto)"
+            return f"the prompt ({tk:,} tokens) is below min_len {least_len:,}{auto}"
         if tq < 64:
             return f"only {tq} new tokens (a cached prefix holds the rest): too few to estimate a pattern"
         limit = self.gpu_dense_above if q.is_cuda else self.cpu_dense_above

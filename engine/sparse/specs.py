@@ -33,6 +33,7 @@ class Param:
     aliases: tuple[str, ...] = ()       # other CLI flags for it (kept for old command lines)
     panel: bool = True                  # shown in the GUI panel (internals stay CLI/library only)
     step: float = 1                     # the panel's spin box step
+    special: str = ""                   # what the panel shows at the minimum (e.g. "auto" for 0)
 
     def describe_range(self) -> str:
         if self.choices:
@@ -218,8 +219,10 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
          Param("stride", int, 16, help="antidiagonal stride used to score the blocks (it divides the block): "
                "larger is cheaper to score and coarser; 8 or 16 is typical.", label="Stride",
                choices=(1, 2, 4, 8, 16, 32, 64)),
-         Param("min_len", int, 8192, 1, 1 << 24, _DENSE_BELOW, "Dense below (tokens)", flag="sparse-min-len",
-               step=1024),
+         Param("min_len", int, 0, 0, 1 << 24, _DENSE_BELOW + ". 0 = auto: 4096 on a CPU (its gathered path pays "
+               "from about 4K tokens on the default model: bench --text sample), 8192 on CUDA (our kernels break "
+               "even there on real attention)", "Dense below (tokens)", flag="sparse-min-len", step=1024,
+               special="auto"),
          Param("block", int, 128, help="block size of the sparse pattern (tokens)", choices=(16, 32, 64, 128, 256),
                panel=False),
          Param("chunk_rows", int, 2048, 1, 1 << 20, "query rows scored at once (bounds the estimate's memory)",

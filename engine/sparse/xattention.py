@@ -31,6 +31,7 @@ _IMAGE = 128  # the trace gets each head's block mask binned to at most this man
 
 class XAttentionPolicy(SparsePrefillPolicy):
     spec = SPECS["xattention"]
+    auto_min_len = (4096, 8192)   # the CPU's gathered path pays from ~4K tokens, our CUDA kernels from ~8K
 
     def __init__(self, **params):
         p = self.spec.validate(params)

@@ -138,6 +138,21 @@ def test_below_min_len_the_policy_runs_dense(tiny_dir):
     assert stats.policy_stats["sparse"] is False and "below min_len 1,000" in stats.policy_stats["reason"]
 
 
+def test_xattention_dense_below_an_automatic_length_per_device():
+    """XAttention's default min_len (0) is per device: 4096 on a CPU, where its gathered path pays from ~4K tokens on
+    the default model, 8192 on CUDA; a given min_len is kept as it is on both."""
+    auto = XAttentionPolicy()
+    assert auto.min_len == 0 and (auto.min_len_on(False), auto.min_len_on(True)) == (4096, 8192)
+    assert XAttentionPolicy(min_len=256).min_len_on(False) == XAttentionPolicy(min_len=256).min_len_on(True) == 256
+    assert MInferencePolicy().min_len_on(False) == 8192                    # MInference: no automatic value
+    with pytest.raises(ConfigError, match="min_len"):
+        MInferencePolicy(min_len=0)
+    q, k = torch.randn(3000, 4, 32), torch.randn(3000, 2, 32)             # a 3,000-token prompt on the CPU
+    assert auto._sparse(q, k, k, 32 ** -0.5) == "the prompt (3,000 tokens) is below min_len 4,096 (auto)"
+    q, k = torch.randn(4200, 4, 32), torch.randn(4200, 2, 32)             # past it: the pattern decides
+    assert "min_len" not in str(auto._sparse(q, k, k, 32 ** -0.5))
+
+
 def test_a_dense_pattern_runs_dense_on_the_cpu_and_says_why(tiny_dir):
     """Off CUDA, a pattern that keeps more pairs than the gathered path can beat dense with runs dense: the
     answer is full attention's, no mask is recorded, and the stats say why."""

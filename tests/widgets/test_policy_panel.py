@@ -142,6 +142,10 @@ def test_every_shown_param_has_a_widget_with_the_specs_default_and_range(policy)
         policy.set_config({"mode": spec.modes[0], "policy": spec.name})
         assert policy.config()["policy_params"] == {p.name: p.default for p in _shown(spec)}
         assert spec.help in policy.policy_tooltip(spec.name)
+    min_len = policy._params["xattention"]["min_len"]            # 0 = auto (per device), and says so
+    assert min_len.value() == 0 and min_len.text() == "auto" and "0 = auto" in min_len.toolTip()
+    min_len.setValue(4096)
+    assert min_len.text() == "4096" and policy._params["minference"]["min_len"].specialValueText() == ""
     vertical = policy._params["minference"]["vertical"]          # a fraction of the prompt stays representable
     vertical.setValue(0.1)
     assert vertical.value() == pytest.approx(0.1) and policy._params["xattention"]["threshold"].decimals() == 2
