@@ -84,18 +84,17 @@ def main() -> int:
 
     engine = {"mode": args.mode}
     cli = EngineOnly(engine, str(SAMPLE), args.tokens)
-    kinds = {"cli": (cli, lambda: cli.turn(False)),
-             **{name: (p, p.turn) for name, p in (("unwatched", AppEngine(engine, str(SAMPLE), args.tokens, False)),
-                                                  ("watched", AppEngine(engine, str(SAMPLE), args.tokens, True)))}}
+    unwatched, watched = (AppEngine(engine, str(SAMPLE), args.tokens, watch) for watch in (False, True))
+    turns = {"cli": lambda: cli.turn(False), "unwatched": unwatched.turn, "watched": watched.turn}
     if args.pin is not None:
-        for proc, _ in kinds.values():
-            pin(proc.pid if hasattr(proc, "pid") else proc.proc.pid, {args.pin})
-    names, res = list(kinds), {k: [] for k in kinds}
+        for pid in (cli.proc.pid, unwatched.pid, watched.pid):
+            pin(pid, {args.pin})
+    names, res = list(turns), {k: [] for k in turns}
     for r in range(args.rounds):                            # the order rotates every round
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            res[name].append(float(kinds[name][1]()["decode_tok_s"]))
-    for proc, _ in kinds.values():
+            res[name].append(float(turns[name]()["decode_tok_s"]))
+    for proc in (cli, unwatched, watched):
         proc.close()
     print(f"{args.mode}, {args.tokens} tokens, {args.rounds} rounds{f', pinned to CPU {args.pin}' if args.pin is not None else ''}"
           ": decode tok/s (median; against the same round's cli turn)")
