@@ -2,7 +2,8 @@
 
     bar = StatusBar()
     bar.set_model({"name": "SmolLM2-135M-Instruct", "device": "cpu", "dtype": "float32", "mode": "gpu"})
-    bar.show_progress("prefill", 0.4, "prefill: 12 of 30 layers")   # "… 40% · ETA 3 s" from the progress rate
+    bar.show_progress("prefill", 0.4, "prefill: 12 of 30 layers")   # "… 40% · ETA 3 s" from the progress rate,
+                                                                     # shown once the task has run 0.3 s
     bar.hide_progress()
     bar.set_memory(step.metrics)                                    # the latest StepTrace's metrics
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar, QWidget
 
 from widgets.trace_common import fmt_bytes
@@ -45,7 +47,7 @@ class EtaEstimator:
 
     def reset(self) -> None:
         self.key: str | None = None
-        self._t0 = 0.0
+        self._t0 = 0.0                         # when the task's first report came (`started`)
         self._f0 = 0.0
         self._last = 0.0
 
@@ -62,6 +64,11 @@ class EtaEstimator:
             return None
         return elapsed * (1.0 - fraction) / done
 
+    @property
+    def started(self) -> float:
+        """When the current task's first report came (the clock's time)."""
+        return self._t0
+
 
 class StatusBar(QStatusBar):
     """Permanent fields (model, device, mode, policy, memory) and a progress bar shown while something loads.
@@ -69,7 +76,10 @@ class StatusBar(QStatusBar):
     Read back: `recording_label`, `model_label`, `device_label`, `mode_label`, `policy_label`, `memory_label`, `watch_label` (QLabels) and
     `progress` (QProgressBar; its text is the task's message, percentage and ETA)."""
 
-    def __init__(self, parent: QWidget | None = None):
+    SHOW_AFTER_S = 0.3       # a task's bar appears once the task has run this long
+    UPDATE_EVERY_S = 0.1     # and is redrawn at most this often
+
+    def __init__(self, parent: QWidget | None = None, clock=time.monotonic):
         super().__init__(parent)
         self.model_label = QLabel("model: loading…")
         self.device_label = QLabel()
@@ -90,7 +100,11 @@ class StatusBar(QStatusBar):
         self.progress.setTextVisible(True)
         self.progress.setMinimumWidth(320)
         self.progress.hide()
-        self.eta = EtaEstimator()
+        self._clock = clock
+        self.eta = EtaEstimator(clock)
+        self._pending: tuple[int, str] | None = None   # the newest report not drawn yet: (value, text)
+        self._drawn = 0.0                                # when the bar was last drawn
+        self._timer = QTimer(self, singleShot=True, timeout=self._draw_pending)
         for w in (self.progress, self.recording_label, self.watch_label, self.model_label, self.device_label, self.mode_label,
                   self.policy_label, self.memory_label):
             self.addPermanentWidget(w)
@@ -127,16 +141,37 @@ class StatusBar(QStatusBar):
             self.memory_label.setText(" · ".join(parts))
 
     def show_progress(self, key: str, fraction: float, message: str) -> None:
-        """Show task `key` at `fraction` (0-1) with `message`; the bar hides itself at 1.0."""
+        """Task `key` is at `fraction` (0-1) with `message`; the bar hides itself at 1.0. The bar appears once the
+        task has run SHOW_AFTER_S and is redrawn at most every UPDATE_EVERY_S (the newest report; a timer shows
+        the last one): a question about a cached document (a prefill of tens of ms) never flashes a bar, and a
+        prefill reporting every layer does not repaint the status bar every layer while the engine works."""
         if fraction >= 1.0:
             self.hide_progress()
             return
-        eta = format_eta(self.eta.update(key, fraction))
-        self.progress.setValue(int(round(1000 * max(0.0, fraction))))
-        self.progress.setFormat(f"{message} — {100 * fraction:.0f}%" + (f" · ETA {eta}" if eta else ""))
+        now = self._clock()
+        eta = format_eta(self.eta.update(key, fraction, now))
+        self._pending = (int(round(1000 * max(0.0, fraction))),
+                         f"{message} — {100 * fraction:.0f}%" + (f" · ETA {eta}" if eta else ""))
+        due = (self._drawn + self.UPDATE_EVERY_S if self.progress.isVisible()
+               else self.eta.started + self.SHOW_AFTER_S)
+        if now >= due:
+            self._draw_pending()
+        elif not self._timer.isActive():
+            self._timer.start(max(1, int(1000 * (due - now))))
+
+    def _draw_pending(self) -> None:
+        self._timer.stop()
+        if self._pending is None:
+            return
+        value, text = self._pending
+        self._pending, self._drawn = None, self._clock()
+        self.progress.setValue(value)
+        self.progress.setFormat(text)
         self.progress.show()
 
     def hide_progress(self) -> None:
+        self._timer.stop()
+        self._pending = None
         self.progress.hide()
         self.eta.reset()
 

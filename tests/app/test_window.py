@@ -12,7 +12,6 @@ from PySide6.QtCore import QSettings, Qt
 from PySide6.QtGui import QImage
 
 from app.main_window import MainWindow, engine_kwargs
-from app.status import EtaEstimator, format_eta
 from engine.trace import H2D, check_chrome_trace
 
 WORDS = ("Notes from the planning group. The quarterly review covers the storage migration, the new build farm "
@@ -116,15 +115,6 @@ def test_the_worker_runs_on_an_engine_thread(window):
     """One Python thread state for the engine's whole life (tests/app/test_worker.py shows why)."""
     from app.worker import EngineThread
     assert type(window.thread) is EngineThread and window.worker.thread() is window.thread
-
-
-def test_eta_from_the_progress_rate():
-    eta = EtaEstimator()
-    assert eta.update("prefill", 0.1, now=100.0) is None          # the first report only starts the clock
-    assert eta.update("prefill", 0.3, now=102.0) == pytest.approx(7.0)   # 0.2 in 2 s: 0.7 left takes 7 s
-    assert eta.update("prefill", 0.05, now=103.0) is None         # went back: the next task
-    assert eta.update("model", 0.5, now=104.0) is None            # another task
-    assert format_eta(7.2) == "7 s" and format_eta(95) == "1 min 35 s" and format_eta(None) == ""
 
 
 def test_window_opens_and_loads_the_model(window, qtbot, default_model_dir, doc):
