@@ -1,6 +1,6 @@
 """The close part of tools/reliability.py: the real app, closed in the middle of a turn.
 
-    python tools/reliability_close.py ACTION DOCUMENT MODE RESULT.json   # one app run (a child)
+    python tools/reliability_close.py ACTION DOCUMENT MODE RESULT.json [DEVICE]   # one app run (a child)
 
 ACTION: `prefill` (close at the first prefill progress, before any answer text), `decode` (close once three
 pieces of the answer have streamed) or `answer` (let a short answer finish, then close). The app is started the
@@ -30,7 +30,7 @@ ABORT_TEXT = ("terminate called", "QThread: Destroyed", "Traceback", "Fatal Pyth
               "Aborted", "core dumped", "still running")
 
 
-def app_run(action: str, document: str, mode: str, result: str) -> int:
+def app_run(action: str, document: str, mode: str, result: str, device: str | None = None) -> int:
     from PySide6.QtCore import Qt, QTimer
     from PySide6.QtWidgets import QApplication
 
@@ -83,8 +83,8 @@ def app_run(action: str, document: str, mode: str, result: str) -> int:
     timer.timeout.connect(tick)
     timer.start()
     settings = out.with_suffix(".ini")                 # never the user's settings
-    code = gui.run([sys.argv[0]], {"settings_path": str(settings), "document": document,
-                                   "restore": False, "max_new_tokens": 400})
+    code = gui.run([sys.argv[0]], {"settings_path": str(settings), "document": document, "restore": False,
+                                   "max_new_tokens": 400, **({"engine": {"device": device}} if device else {})})
     obs["t_exec_returned"] = time.time()
     obs["exec_code"] = code
     save()
@@ -167,4 +167,4 @@ def report(r: dict) -> list[tuple[str, bool]]:
 
 
 if __name__ == "__main__":
-    sys.exit(app_run(*sys.argv[1:5]))
+    sys.exit(app_run(*sys.argv[1:6]))

@@ -91,9 +91,12 @@ def test_stop_keeps_the_partial_answer_and_the_engine_answers_on(chat, mode):
 # ---------------------------------------------------------------- closing the real app mid-turn (subprocesses)
 def _app(action: str, doc: Path, store: Path, tmp: Path) -> tuple[int, str, dict]:
     result = tmp / f"{action}.json"
-    env = dict(os.environ, KVSCOPE_KV_STORE=str(store), QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(REPO))
+    env = dict(os.environ, KVSCOPE_KV_STORE=str(store), QT_QPA_PLATFORM="offscreen",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    # the engine on the CPU on every machine: a CUDA prefill of these 650 tokens ends before the tool's 20 ms timer
+    # can close the window in the middle of it
     p = subprocess.run([sys.executable, str(REPO / "tools" / "reliability_close.py"), action, str(doc), "gpu",
-                        str(result)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                        str(result), "cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return p.returncode, p.stderr, json.loads(result.read_text())
 
 

@@ -1,5 +1,6 @@
 """Recordings in the app: a live Quest turn saved from the window opens in a replay window that shows the same
 chat, picks, highlight and timeline, with no engine; bad files and an empty conversation are one message each."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,8 +95,10 @@ def test_a_replay_needs_no_model_and_no_torch(live, tmp_path):
             f"w = replay_window(load_recording({str(path)!r}), {{'settings_path': {str(tmp_path / 's.ini')!r}}}); "
             f"w.show(); app.processEvents(); "
             f"print(w.quest.step_count(), len(w.chat.messages()), 'torch' in sys.modules); w.close()")
-    env = {"QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "XDG_CACHE_HOME": str(tmp_path / "no-cache"), "PYTHONPATH": str(ROOT)}   # no model files to be found
+    env = {"QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),   # no model files
+           "XDG_CACHE_HOME": str(tmp_path / "no-cache"),                                       # to be found
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           **{k: os.environ[k] for k in ("LD_LIBRARY_PATH", "FONTCONFIG_FILE") if k in os.environ}}   # (Qt's)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
