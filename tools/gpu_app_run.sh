@@ -7,7 +7,8 @@
 # the default model), then run this from the project root. On a CUDA workstation with the project installed it runs
 # as it is. It prints: the default model's conversion, the first turn of a fresh process per mode (CLI: time to
 # first token, decode tok/s), then the real window offscreen answering in gpu, layerwise (full and Quest) and gpu +
-# MInference with a screenshot of each, then the app's cost to the engine per mode and with Quest (tools/app_overhead.py),
+# MInference with a screenshot of each, then tests/gpu/test_window_gpu.py (every mode with every policy it runs), then
+# the app's cost to the engine per mode and with Quest (tools/app_overhead.py),
 # then the app's engine process alone against the CLI's, pinned to one CPU (tools/engine_process_cost.py).
 set -uo pipefail
 out=${1:-gpu-run}
@@ -27,6 +28,8 @@ done
 echo "== the window (its engine in a process of its own, as python main.py runs it): four turns with screenshots"
 timeout 600 $py -m app.screenshots "$out" --max-new-tokens 64 --timeout 180 2>&1 | tail -12
 echo "app.screenshots exit: $?"
+echo "== the same path as a test: a turn in each mode with each policy, switched from the panel (tests/gpu/test_window_gpu.py)"
+timeout 600 $py -m pytest -q -m gpu tests/gpu/test_window_gpu.py -p no:cacheprovider 2>&1 | tail -3
 echo "== the app's cost to the engine (medians of 8 interleaved rounds; decode, time to first token, the GUI's refresh)"
 for mode in gpu layerwise chunked; do
   echo "-- $mode"; timeout 600 $py tools/app_overhead.py --runs 8 --tokens 64 --mode "$mode" 2>&1 | tail -3
