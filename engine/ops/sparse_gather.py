@@ -39,15 +39,43 @@ def _chunks(counts: list[int], block: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _whole_blocks(qa, kf, vf, blocks, hs, ms, earlier, g: int, span: int, first: int, scale: float, out) -> None:
+    """gathered_attention's items (h, m) of a block-sparse pattern whose prompt starts at a block boundary: the
+    earlier kept blocks and the own block of each, gathered as whole blocks into one fused call, the own block's
+    columns causal by one mask all items share. Items are grouped by their count of earlier blocks, so that none is
+    padded (a padded item would need a mask of its own per row). Against two calls (the earlier keys, padded; the
+    own block, causal) merged by their log-sum-exp: three real layers of a 7K prefill on a 2-core CPU (XAttention,
+    density 0.15-0.24) 130 / 116 / 94 -> 130 / 114 / 84 ms (medians of 8, alternating)."""
+    block, d = qa.shape[-2:]
+    kb, vb = kf.view(-1, block, d), vf.view(-1, block, d)            # [Hkv * span / block, block, D]
+    tri = torch.zeros(block, block, device=qa.device).masked_fill_(
+        torch.ones(block, block, dtype=torch.bool, device=qa.device).triu(1), float("-inf"))
+    counts, sizes = torch.unique_consecutive(earlier // block, return_counts=True)   # (sorted ascending)
+    a = 0
+    for c, size in zip(counts.tolist(), sizes.tolist()):
+        mask = torch.cat([tri.new_zeros(block, c * block), tri], dim=1)[None, None]   # [1, 1, B, (c + 1) B]
+        per_call = max(1, _CHUNK_FLOATS // ((c + 1) * block * d))
+        for a0 in range(a, a + size, per_call):
+            b0 = min(a + size, a0 + per_call)
+            h, m = hs[a0:b0], ms[a0:b0]
+            base = (h // g) * (span // block)
+            own = (base + first + m)[:, None]
+            ids = torch.cat([kept_first(blocks[h, m], c)[1].long() + base[:, None], own], dim=1) if c else own
+            ke, ve = (x.index_select(0, ids.flatten()).view(b0 - a0, 1, (c + 1) * block, d) for x in (kb, vb))
+            out[h, m] = _flash(qa[h, m], ke, ve, scale, mask)[0][:, 0]
+        a += size
+
+
 @torch.no_grad()
 def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, blocks: torch.Tensor | None = None):
     """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D], keep [Hq, nQB, Tk] ->
     ([Tq, Hq, D], pairs computed per head [Hq] int64). blocks [Hq, nQB, ceil(Tk / block)] bool: the block table
-    `keep` was made from, where there is one (a block-sparse pattern): the earlier keys are then found and gathered
-    as whole blocks (where the prompt starts at a block boundary), not token by token.
+    `keep` was made from, where there is one (a block-sparse pattern): where the prompt starts at a block boundary,
+    each (head, query block) with its own block kept is then one fused call over its earlier kept blocks and its own
+    block, gathered as whole blocks (`_whole_blocks`).
 
-    A (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the diagonal
-    block) is two attentions merged by their log-sum-exp: its earlier kept keys, gathered ([n, D], padding
+    Otherwise a (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the
+    diagonal block) is two attentions merged by their log-sum-exp: its earlier kept keys, gathered ([n, D], padding
     masked by one row: every row sees them all, so no per-row mask), and its own keys, causal. All heads' blocks
     go in one list sorted by count and cut in batches, so little is padded and a layer makes a few calls. The
     ragged last block goes with them, its rows padded to a whole block (a padded row sees only its own padded keys,
@@ -69,7 +97,10 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
     earlier = counts[hs, ms] - rows[ms]                                # (a block's own kept keys: its rows)
     order = earlier.argsort()
     hs, ms, earlier = hs[order], ms[order], earlier[order]
-    for a, b, n in _chunks(earlier.tolist(), block):
+    whole = blocks is not None and off % block == 0
+    if whole:
+        _whole_blocks(qa, kf, vf, blocks, hs, ms, earlier, g, span, off // block, scale, out)
+    for a, b, n in [] if whole else _chunks(earlier.tolist(), block):
         h, m, base = hs[a:b], ms[a:b], (hs[a:b] // g) * span
         qb = qa[h, m]
         if off % block == 0:                                                 # own keys: whole blocks of K
@@ -80,12 +111,8 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
             ko, vo = (x.index_select(0, own).view(-1, 1, block, d) for x in (kf, vf))
         o, lse = _flash(qb, ko, vo, scale, causal=True)
         if n > 0:
-            if blocks is not None and off % block == 0:   # whole blocks (the earlier ones come first in a row)
-                idx = kept_first(blocks[h, m], n // block)[1].long() + (base // block)[:, None]
-                ke, ve = (x.view(-1, block, d).index_select(0, idx.flatten()).view(-1, 1, n, d) for x in (kf, vf))
-            else:
-                idx = (base[:, None] + kept_first(keep[h, m], n, fill=span - 1)[1].long()).flatten()
-                ke, ve = (x.index_select(0, idx).view(-1, 1, n, d) for x in (kf, vf))
+            idx = (base[:, None] + kept_first(keep[h, m], n, fill=span - 1)[1].long()).flatten()
+            ke, ve = (x.index_select(0, idx).view(-1, 1, n, d) for x in (kf, vf))
             pad = torch.zeros(b - a, 1, 1, n, device=dev).masked_fill_(
                 torch.arange(n, device=dev) >= earlier[a:b, None, None, None], ninf)
             o2, lse2 = _flash(qb, ke, ve, scale, pad)
