@@ -13,7 +13,7 @@ from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
 from engine.offload.tier import model_identity, open_tier
 from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats, token_ends
-from engine.model_folder import load_tokenizer, resolve_model_dir
+from engine.model_folder import eos_ids, load_tokenizer, resolve_model_dir
 from engine.models.loader import build_model, load_weights, random_weights
 from engine.models.registry import parse_config, read_config
 from engine.sampling import SamplingParams
@@ -78,7 +78,7 @@ class LLM:
                                    f"{str(self.dtype).removeprefix('torch.')}: use a smaller model or --device cpu") from None
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.kv_block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.runner.max_num_batched_tokens,
-                                   self._eos_ids(), self.max_model_len)
+                                   eos_ids(self.args.eos_token_ids, self.tokenizer, self.model_dir), self.max_model_len)
         self.tier = self._open_tier()           # the disk KV tier (config.kv_store), or None
         self.plan = self.runner.plan            # layerwise: which layers stay on the device
         if self.plan is not None:
@@ -188,16 +188,6 @@ class LLM:
         return {"gpu_mem_allocated": allocated["current"], "gpu_mem_peak": allocated["peak"]}
 
     # ---------------------------------------------------------------- tokens
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.args.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        gen = self.model_dir / "generation_config.json" if self.model_dir else None
-        if gen and gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return ids
-
     def _need_tokenizer(self):
         if self.tokenizer is None:
             raise ConfigError("this engine has no tokenizer (random weights, or a model folder without tokenizer.json "

@@ -69,3 +69,15 @@ def load_tokenizer(model_dir: Path):
                          "tokenizer.model with tokenizer_config.json")
     tok.model_max_length = 1 << 40  # the engine checks lengths itself, against the real limits, with better words
     return tok
+
+
+def eos_ids(config_ids, tokenizer, model_dir: Path | None) -> set[int]:
+    """The token ids that end an answer: the model config's, the tokenizer's, and generation_config.json's."""
+    ids = set(config_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = model_dir / "generation_config.json" if model_dir else None
+    if gen and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
