@@ -49,6 +49,8 @@ def _whole_blocks(qf, kf, vf, blocks, hs, ms, item, earlier, g: int, span: int, 
     (XAttention, density 0.15-0.24; medians of 8, alternating, two sessions): 0-10% less time a layer, ~3% on
     average, inside this host's spread of ~5%. qf / of: q and the output as [Hq * nQB, (1,) B, D], an item's row
     h * nQB + m (`item`)."""
+    if not len(hs):
+        return
     block, d = qf.shape[-2:]
     kb, vb = kf.view(-1, block, d), vf.view(-1, block, d)            # [Hkv * span / block, block, D]
     tri = torch.zeros(block, block, device=qf.device).masked_fill_(

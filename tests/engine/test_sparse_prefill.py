@@ -267,6 +267,19 @@ def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, hint,
     assert keep_density(keep, block, tq, tk) >= pairs.sum() / (4 * causal_pairs(tq, tk))   # an upper bound
 
 
+def test_gathered_blocks_without_their_own_block_equal_the_definition():
+    """A block table that keeps no query block's own (diagonal) block: every block takes the exact-mask path."""
+    from engine.ops.sparse_gather import gathered_attention
+    from engine.ops.sparse_prefill import block_sparse_keep
+    q, k, v = inputs(64, 64)
+    blocks = torch.ones(4, 4, 4, dtype=torch.bool).tril(-1)                         # earlier blocks only
+    rows, cols = torch.arange(64), torch.arange(64)
+    allowed = blocks[:, rows // 16][:, :, cols // 16] & (cols[None] <= rows[:, None])
+    out, pairs = gathered_attention(q, k, v, block_sparse_keep(blocks, 16, 64, 64), 16, 0.25, blocks)
+    assert torch.allclose(out, dense_masked(q, k, v, allowed, 0.25).nan_to_num(0.0), atol=1e-5)
+    assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist() and out[:16].abs().sum() == 0   # block 0: no key
+
+
 def test_gathered_keep_everything_is_dense_causal():
     from engine.ops.sparse_gather import gathered_attention
     q, k, v = inputs(80, 80)
