@@ -25,7 +25,7 @@ def keep_density(keep: torch.Tensor, block: int, tq: int, tk: int) -> float:
     bound: the rows of a block's own diagonal see fewer)."""
     rows = torch.full((keep.shape[1],), block, dtype=torch.float64)
     rows[-1] = tq - block * (keep.shape[1] - 1)
-    kept = (keep.sum(dim=-1, dtype=torch.float64) * rows).sum()
+    kept = (keep.sum(dim=-1, dtype=torch.int32).double() * rows).sum()    # (an int32 sum: ~3x faster on a CPU)
     return float(kept) / (keep.shape[0] * causal_pairs(tq, tk))
 
 
@@ -97,7 +97,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
     out = torch.empty(hq, nqb, block, d, dtype=torch.float32, device=dev)   # (a block with no key: zeros, below)
     qf, of = qa.reshape(hq * nqb, 1, block, d), out.view(hq * nqb, block, d)  # (items gathered by their rows)
     pairs = torch.zeros(hq, dtype=torch.int64, device=dev)
-    counts = keep.sum(dim=-1)                                                               # [Hq, nQB]
+    counts = keep.sum(dim=-1, dtype=torch.int32)                                            # [Hq, nQB]
     own_pos = off + torch.arange(nqb, device=dev)[:, None] * block + torch.arange(block, device=dev)  # [nQB, B]
     own_kept = keep.gather(2, own_pos.clamp(max=tk - 1)[None].expand(hq, -1, -1)).all(dim=-1)      # [Hq, nQB]
     hs, ms = own_kept.nonzero(as_tuple=True)
