@@ -56,9 +56,9 @@ def _whole_blocks(qf, kf, vf, blocks, hs, ms, item, earlier, g: int, span: int, 
     tri = torch.zeros(block, block, device=qf.device).masked_fill_(
         torch.ones(block, block, dtype=torch.bool, device=qf.device).triu(1), float("-inf"))
     counts, sizes = torch.unique_consecutive(earlier // block, return_counts=True)   # (sorted ascending)
-    ids = kept_first(blocks[hs, ms], max(1, int(counts[-1])))[1].long()             # earlier blocks first in a row
-    ids += ((hs // g) * (span // block))[:, None]
-    own = ((hs // g) * (span // block) + first + ms)[:, None]
+    base = (hs // g) * (span // block)                                # the item's kv head's first block
+    ids = kept_first(blocks[hs, ms], max(1, int(counts[-1])))[1].long() + base[:, None]   # earlier blocks first
+    own = (base + first + ms)[:, None]
     a = 0
     for c, size in zip(counts.tolist(), sizes.tolist()):
         mask = torch.cat([tri.new_zeros(block, c * block), tri], dim=1)[None, None]   # [1, 1, B, (c + 1) B]

@@ -47,6 +47,10 @@ def wait_ready(qtbot, win, model_dir) -> None:
                     and not win.is_busy(), timeout=TURN_MS)
 
 
+def _on_cuda(win) -> bool:                     # the window's engine on CUDA: the CPU suite on a GPU workstation
+    return str(win.model_info.get("device", "")).startswith("cuda")
+
+
 def ask(qtbot, win, question: str) -> dict:
     """Send `question` as a user would (type, click Send) and wait until its answer has finished."""
     n = len(win.chat.messages())
@@ -298,7 +302,7 @@ def test_mask_view_shows_the_minference_masks(window, qtbot, tmp_path, doc):
     try:
         ask(qtbot, window, QUESTION)       # ~500 tokens: the pattern keeps too much for sparse to win: dense
         llm, hint = window.worker.llm, window.masks.hint_label.text()
-        cuda = str(window.model_info["device"]).startswith("cuda")          # (the suite on a CUDA machine)
+        cuda = _on_cuda(window)
         why = "our GPU kernels are slower than dense attention" if cuda else "dense attention is faster on the CPU"
         assert window.worker.engine_config["mode"] == "layerwise" and window.masks.showing_hint() and \
             "the last prefill ran dense (the pattern keeps" in hint and why in hint
@@ -356,7 +360,7 @@ def test_a_bad_model_folder_shows_its_error_and_keeps_the_loaded_model(window, q
 
 
 def test_stop_during_prefill_returns_at_once_and_the_next_answer_is_right(window, qtbot, tmp_path, doc):
-    if str(window.model_info.get("device", "")).startswith("cuda"):          # (the suite on a CUDA machine)
+    if _on_cuda(window):
         pytest.skip("a CUDA prefill of this document ends before Stop can reach it")
     fresh = tmp_path / "fresh.md"                              # new text: nothing from the prefix cache
     fresh.write_text("# Oslo office\n\n" + DOC_TEXT.replace("Bergen", "Oslo") + "\n" + WORDS * 18)
