@@ -102,8 +102,20 @@ def window_bundle(win, folder: Path) -> Path:
     steps = None if "ask" in win.requests else list(win.worker.turn_steps)   # never read while it changes
     views = {spec.name: win.views[spec.name] for spec in win.view_specs if spec.export}
     views["chat"] = win.chat
+    _settle(views)
     write_bundle(out, win.grab(), views, win.chat, steps, win.describe())
     return out
+
+
+def _settle(views: dict, timeout_s: float = 3.0) -> None:
+    """Let views that draw off the GUI thread (the mask view bins its picture on a worker) finish the picture asked
+    for, so the PNG shows it and not the previous one with "binning…"; gives up after `timeout_s`."""
+    from PySide6.QtCore import QCoreApplication, QEventLoop
+
+    deadline = time.monotonic() + timeout_s
+    while any(getattr(v, "is_binning", lambda: False)() for v in views.values()) and time.monotonic() < deadline:
+        QCoreApplication.processEvents(QEventLoop.ProcessEventsFlag.AllEvents, 50)
+        time.sleep(0.005)
 
 
 def export_chat_dialog(win) -> None:

@@ -96,6 +96,8 @@ def test_a_turn_in_each_mode_with_each_policy(window, qapp, mode, policy, params
         assert stats["policy_stats"]["sparse"] is True and 0 < stats["policy_stats"]["density"] < 1
         masks = window.masks.current()
         assert masks is not None and masks.kind == policy and not window.masks.showing_hint()
+        from app.screenshots import wait_until
+        wait_until(qapp, lambda: not window.masks.is_binning(), 10, "the mask picture")   # binned off the GUI thread
         assert window.masks.image().any()
 
 
