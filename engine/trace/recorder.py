@@ -29,7 +29,10 @@ Prefill and every step slower than 1/detail_hz are always detailed, but with det
 chunked prefill's chunks: `begin_part`) times three parts only, its first, a middle one and its last but one (whose
 records are then read while the last part runs, not by the next step): reading the events of a 6K chunked prefill's
 24 chunks (7.8K spans and slot states) cost the first decode step ~55 ms on an H100 and an H200. After such a
-prefill the next decode timeline comes a full 1/detail_hz after the prefill's end, not its start.
+prefill the next decode timeline comes a full 1/detail_hz after the prefill's end, not its start, except that the
+second decode step after every prefill is detailed (`EARLY_DECODE`): at GPU speed a short answer in an offload mode
+(32 tokens in ~0.1 s, the rate 3 a second) would otherwise show no decode timeline at all, only the prefill's. Not the
+first: on CUDA it may capture graphs, and it reads the prefill's last timed records.
 `StepTrace.windows` says where the timeline is. `detail` (per step, or part) tells engine code whether to record the
 timeline; `enabled` whether to record at all. `mark()` records one pooled timing event (on the step's compute
 stream unless given one): consecutive spans share their boundary marks.
@@ -101,6 +104,9 @@ class _EventSpan(_HostSpan):
         return False
 
 
+EARLY_DECODE = 2     # the decode step after each prefill that is detailed whatever the rate (see Detail above)
+
+
 class TraceRecorder(Recorder):
     """Records steps into a bounded history (`steps`, newest last; `last`); calls `on_step` with each one."""
     enabled = True
@@ -128,6 +134,7 @@ class TraceRecorder(Recorder):
         self._stream = None              # the step's compute stream (CUDA), looked up once per step
         self._detail_every_us = 1e6 / detail_hz if detail_hz else 0.0
         self._last_detail_us = -1e18
+        self._decodes = 0                # decode steps since the last prefill
         self.detail = True               # between steps (loading, tokenizing) everything is recorded
         self._step_detail = True
         self._clock: EventClock | None = None   # CUDA: the open step's timing events (a detailed step's)
@@ -176,7 +183,9 @@ class TraceRecorder(Recorder):
             self.end_step({"incomplete": 1.0})
         self._phase, self._n_tokens, self._open = phase, int(n_tokens), True
         self._t_begin = now = self.now_us()
-        self.detail = (phase != "decode" or now - self._last_detail_us >= self._detail_every_us)
+        self._decodes = self._decodes + 1 if phase == "decode" else 0
+        self.detail = (phase != "decode" or now - self._last_detail_us >= self._detail_every_us
+                       or self._decodes == EARLY_DECODE)
         if self.detail:
             self._last_detail_us = now
         if self._nvtx is not None:                # (CUDA only) closed by end_step

@@ -10,20 +10,22 @@ from engine.trace import TraceRecorder
 
 
 def test_a_decode_timeline_waits_a_full_interval_after_a_prefill_ends():
-    """At a detail rate the first decode steps after a long prefill get no timeline of their own until 1/detail_hz
-    has passed since the prefill's end (the prefill's own timeline is the one just drawn); then one does."""
+    """At a detail rate the decode steps after a long prefill get no timeline of their own until 1/detail_hz has
+    passed since the prefill's end (the prefill's own timeline is the one just drawn), except the second one, so that
+    a short answer shows one decode timeline too; then the rate holds from it."""
     rec = TraceRecorder(detail_hz=20.0)                 # every 50 ms
-    rec.begin_step("prefill", 100)
-    time.sleep(0.08)                                    # a prefill longer than the interval
-    rec.end_step()
-    rec.begin_step("decode", 1)
-    assert not rec.detail
-    rec.end_step()
-    time.sleep(0.06)
-    rec.begin_step("decode", 1)
-    assert rec.detail
-    rec.end_step()
-    assert [s.detailed for s in rec.steps] == [True, False, True]
+    for turn in range(2):
+        rec.begin_step("prefill", 100)
+        time.sleep(0.08)                                # a prefill longer than the interval
+        rec.end_step()
+        for _ in range(3):                              # fast decode steps: only the second is detailed
+            rec.begin_step("decode", 1)
+            rec.end_step()
+        time.sleep(0.06)
+        rec.begin_step("decode", 1)                     # a full interval after the last detailed one
+        assert rec.detail
+        rec.end_step()
+    assert [s.detailed for s in rec.steps] == [True, False, True, False, True] * 2
 
 
 def test_bulk_quest_picks_expand_per_layer_and_head_and_pickle_as_arrays():

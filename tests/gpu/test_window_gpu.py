@@ -84,9 +84,12 @@ def test_a_turn_in_each_mode_with_each_policy(window, qapp, mode, policy, params
     assert [s.phase for s in steps].count("decode") == stats["completion_tokens"] - 1
     assert window.timeline.bar_count() > 0 and "GPU" in window.status.memory_label.text()
     if mode != "gpu":      # KV streamed from pinned host memory on its own stream (the prefill loads the cached
-        detailed = [s for s in steps if s.timeline]       # document's; at GPU speed few decode steps are detailed)
+        detailed = [s for s in steps if s.timeline]       # document's, and decode's layers)
         assert detailed and window.timeline.bar_count(H2D) > 0 and window.ring.slots()
         assert summarize(detailed).overlap_fraction > 0   # copies ran while compute did
+        decodes = [s for s in steps if s.phase == "decode"]
+        if len(decodes) >= 2:                             # at GPU speed a short answer has a decode timeline too
+            assert decodes[1].timeline and decodes[1].lane_spans(H2D)
     if policy == "quest":
         assert stats["policy_stats"]["sparse"] is True
         step = window.quest.current_step()

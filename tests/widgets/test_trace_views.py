@@ -99,17 +99,20 @@ def test_timeline_says_when_it_shows_some_steps_only(qtbot, default_model_dir):
 
     llm = LLM(str(default_model_dir), device="cpu", mode="layerwise", kv_block_size=16, max_model_len=512,
               torch_threads=1, ring_slots=2)
-    llm.recorder = rec = TraceRecorder(detail_hz=1e-9)   # no decode step after the prefill gets a timeline
+    llm.recorder = rec = TraceRecorder(detail_hz=1e-9)   # the prefill's timeline and the second decode step's
     llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
     llm.close()
     steps = [s for s in rec.steps if s.phase in ("prefill", "decode")]
     view = _shown(qtbot, TimelineView())
     view.set_steps(steps)
     view.fit()
-    assert f"timeline of 1 of {len(steps)} steps" in view.summary_label.text()
-    sm = view.summary                                    # busy shares are of the prefill's time alone
-    assert sm.busy_us["compute"] / sm.busy_fraction["compute"] == pytest.approx(steps[0].dur_us, rel=1e-6)
-    assert view.bar_count("compute") == len(steps[0].lane_spans("compute"))   # the prefill's layers alone
+    shown = [steps[0], steps[2]]                         # the prefill and the second decode step
+    assert [s.detailed for s in steps] == [True, False, True] + [False] * (len(steps) - 3)
+    assert f"timeline of 2 of {len(steps)} steps" in view.summary_label.text()
+    sm = view.summary                                    # busy shares are of those steps' time alone
+    assert sm.busy_us["compute"] / sm.busy_fraction["compute"] == pytest.approx(sum(s.dur_us for s in shown),
+                                                                                rel=1e-6)
+    assert view.bar_count("compute") == sum(len(s.lane_spans("compute")) for s in shown)   # their layers alone
 
 
 def test_timeline_says_when_a_chunked_prefill_shows_some_chunks_only(qtbot, default_model_dir):
