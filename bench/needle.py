@@ -9,7 +9,10 @@ contains the needle's value. The grid prints length x depth with hits per needle
 and the cells where the answer hung on a near-tie: a token of the answer's first LEAD_TOKENS whose top logit led
 the runner-up by less than NEAR_TIE. There greedy decoding is a coin toss that any change to the attention may
 turn (on the default model, Full's 7000-token 90% name cell: " name" led " arch" by 0.19), so a sparse policy's
-miss there says little about its choice of keys.
+miss there says little about its choice of keys. When Full runs first in the same command, each cell Full found
+and a later policy missed is answered once more by that policy, given Full's answer up to and including the first
+token where the two answers part: a hit then means the policy lost the cell at that one token (the line prints
+Full's lead there), a miss that it loses the needle itself.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import argparse
 import json
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 LEAD_TOKENS, NEAR_TIE = 8, 0.5
 NEEDLES = {
@@ -67,6 +70,11 @@ class Cell:
     recall: dict | None = None     # Quest with recall on: mean, lowest head, per layer (over the answer's steps)
     density: tuple | None = None   # prefill policies: (density over the sparse layers, sparse layers)
     lead: float | None = None      # the smallest top-logit lead over the runner-up in the answer's first LEAD_TOKENS
+    tokens: list[int] = field(default_factory=list)     # the answer's token ids
+    leads: list[float] = field(default_factory=list)    # each answer token's top-logit lead over the runner-up
+    followed: dict | None = None   # a cell Full found and this policy missed, answered again from Full's tokens:
+    #                                {"at": the first token the answers differ in, "full_lead": Full's lead there,
+    #                                 "hit": found then, "answer": that answer}
 
 
 def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds: list[str],
@@ -83,8 +91,36 @@ def run_needles(llm, policy: str, lengths: list[int], depths: list[float], kinds
                            "per_layer": st["recall_per_layer"]} if "recall" in st else None)
                 density = (st["density"], st["sparse_layers"]) if "sparse_layers" in st else None
                 cells.append(Cell(policy, n, d, kind, len(ids), NEEDLES[kind][2].lower() in out.text.lower(),
-                                  out.text.strip(), recall, density, min(out.leads[:LEAD_TOKENS], default=None)))
+                                  out.text.strip(), recall, density, min(out.leads[:LEAD_TOKENS], default=None),
+                                  list(out.token_ids), list(out.leads)))
     return cells
+
+
+def follow(llm, cell: Cell, full: Cell, max_new_tokens: int = 32) -> dict:
+    """Answer `cell` (missed by its policy, found by Full) again with llm's policy, given Full's answer up to and
+    including the first token where the two answers differ: did the policy lose the needle, or one token's toss?"""
+    from engine import SamplingParams
+    at = next((i for i, (a, b) in enumerate(zip(cell.tokens, full.tokens)) if a != b),
+              min(len(cell.tokens), len(full.tokens)))
+    given = full.tokens[:at + 1]
+    ids, _ = needle_document(llm, cell.length, cell.depth, cell.kind)
+    out = llm.generate([ids + given], SamplingParams(max_tokens=max(1, max_new_tokens - len(given))))[0]
+    answer = (llm.tokenizer.decode(given) + out.text).strip()
+    return {"at": at, "full_lead": full.leads[at] if at < len(full.leads) else None,
+            "hit": NEEDLES[cell.kind][2].lower() in answer.lower(), "answer": answer}
+
+
+def followed_text(cells: list[Cell]) -> str:
+    """The lines that say, per cell Full found and the policy missed, what following Full's answer showed."""
+    lines = []
+    for c in cells:
+        if c.followed is not None:
+            f = c.followed
+            lead = f"Full's lead there {f['full_lead']:.2f}" if f["full_lead"] is not None else "Full's answer ended"
+            lines.append(f"  {c.length}/{c.depth:.0%} {c.kind}: parts from Full's answer at token {f['at'] + 1} ({lead});"
+                         f" given Full's answer to there it {'finds' if f['hit'] else 'still misses'} the needle: "
+                         f"{f['answer'][:100]!r}")
+    return ("cells Full found that this policy missed:\n" + "\n".join(lines)) if lines else ""
 
 
 def grid(cells: list[Cell], lengths: list[int], depths: list[float], kinds: list[str]) -> str:
@@ -145,6 +181,7 @@ def _run(args, policies: list[tuple[str, dict]]) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     kinds = args.kinds.split(",")
     cells: list[Cell] = []
+    full: dict[tuple, Cell] = {}                     # Full's cells, when it runs first (see follow)
     for policy, given in policies:
         # Quest chooses at every length here (min_context 0, min_layer_mb 0): the grid measures its choice, not its dense fallback
         params = ({"token_budget": args.quest_budget, "page_size": args.quest_page, "min_context": 0, "min_layer_mb": 0}
@@ -155,9 +192,17 @@ def _run(args, policies: list[tuple[str, dict]]) -> int:
         if args.warm_up:
             llm.warm_up()
         got = run_needles(llm, policy, lengths, depths, kinds)
+        if policy == "full" and not given and not full:
+            full = {(c.length, c.depth, c.kind): c for c in got}
+        for c in got if policy != "full" else []:
+            f = full.get((c.length, c.depth, c.kind))
+            if f is not None and f.hit and not c.hit:
+                c.followed = follow(llm, c, f)
         cells += got
         print(f"\n{policy} ({args.mode} mode{', ' + json.dumps(params) if params else ''}):")
         print(grid(got, lengths, depths, kinds), flush=True)
+        if text := followed_text(got):
+            print(text, flush=True)
         ran = [c.density for c in got if c.density]
         for n_tok in lengths if ran else []:
             at = [c.density for c in got if c.density and c.length == n_tok]

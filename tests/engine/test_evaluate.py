@@ -37,6 +37,27 @@ def test_the_grid_names_the_cells_that_hung_on_a_near_tie():
     assert "number" not in near and near.index("0.19") < near.index("0.31")
 
 
+def test_following_fulls_answer_from_where_a_miss_parted_from_it(llm):
+    """A missed cell is answered again from Full's tokens up to the first one the answers differ in: with Full's own
+    attention that gives Full's answer back, so a hit there says the miss was that one token."""
+    import dataclasses
+
+    from bench.needle import Cell, follow, followed_text
+    full = run_needles(llm, "full", [1024], [0.5], ["number"])[0]
+    assert full.hit and len(full.tokens) == len(full.leads) > 3
+    other = next(t for t in range(100, 200) if t != full.tokens[2])
+    missed = dataclasses.replace(full, policy="quest", hit=False, answer="?",
+                                 tokens=full.tokens[:2] + [other] + full.tokens[3:])
+    f = follow(llm, missed, full)
+    assert f["at"] == 2 and f["full_lead"] == full.leads[2] and f["hit"] and "4817" in f["answer"]
+    assert f["answer"].startswith(full.answer[:20])
+    missed.followed = f
+    text = followed_text([missed, full])
+    assert "1024/50% number: parts from Full's answer at token 3" in text and "it finds the needle" in text
+    assert followed_text([full]) == ""
+    assert Cell("q", 1, 0.5, "name", 1, False, "").followed is None
+
+
 def test_command_line_writes_every_cell(tmp_path, capsys, default_model_dir):
     out = tmp_path / "needles.json"
     assert main(["needle", "--model", str(default_model_dir), "--device", "cpu", "--lengths", "600", "--depths",
