@@ -1,13 +1,15 @@
 """Sparse prefill off CUDA: only the kept (query, key) pairs are computed, so the work follows the density.
 
-Both patterns become one table first (engine/ops/sparse_prefill.py: `vertical_slash_keep`, `block_sparse_keep`):
-`keep` [Hq, nQB, Tk] bool, the keys a block of `block` query rows may see, cut at the block's last row; causality
-applies per row on top. `gathered_attention` then computes each block's kept keys only (see its docstring), and
-equals the references there (dense attention restricted to the same table); the pairs it counts are the pairs it
-computed.
+A block-sparse pattern (XAttention) whose prompt starts at a block boundary goes straight from its block table:
+`gathered_blocks` moves whole blocks of K and V, and `block_keep_density` reads its share of the pairs from the
+table. Any other pattern becomes one table first (engine/ops/sparse_prefill.py: `vertical_slash_keep`,
+`block_sparse_keep`): `keep` [Hq, nQB, Tk] bool, the keys a block of `block` query rows may see, cut at the block's
+last row; causality applies per row on top, and `gathered_attention` computes each block's kept keys only. Both
+equal the references there (dense attention restricted to the same pattern); the pairs they count are the pairs
+they computed.
 
-`keep_density` says beforehand what share of the causal pairs a table keeps: the policy runs dense above the
-share where the gather stops paying (see engine/sparse/policy.py), and says so.
+`keep_density` / `block_keep_density` say beforehand what share of the causal pairs a pattern keeps: the policy runs
+dense above the share where the gather stops paying (see engine/sparse/policy.py), and says so.
 """
 from __future__ import annotations
 
@@ -39,48 +41,81 @@ def _chunks(counts: list[int], block: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _whole_blocks(qf, kf, vf, blocks, hs, ms, item, earlier, g: int, span: int, first: int, scale: float,
-                  of) -> None:
-    """gathered_attention's items (h, m) of a block-sparse pattern whose prompt starts at a block boundary: the
-    earlier kept blocks and the own block of each, gathered as whole blocks into one fused call, the own block's
-    columns causal by one mask all items share. Items are grouped by their count of earlier blocks, so that none is
-    padded (a padded item would need a mask of its own per row). Against two calls (the earlier keys, padded; the
-    own block, causal) merged by their log-sum-exp, on three real layers of a 7K prefill on a 2-core CPU
-    (XAttention, density 0.15-0.24; medians of 8, alternating, two sessions): 0-10% less time a layer, ~3% on
-    average, inside this host's spread of ~5%. qf / of: q and the output as [Hq * nQB, (1,) B, D], an item's row
-    h * nQB + m (`item`)."""
-    if not len(hs):
-        return
-    block, d = qf.shape[-2:]
-    kb, vb = kf.view(-1, block, d), vf.view(-1, block, d)            # [Hkv * span / block, block, D]
-    tri = torch.zeros(block, block, device=qf.device).masked_fill_(
-        torch.ones(block, block, dtype=torch.bool, device=qf.device).triu(1), float("-inf"))
-    counts, sizes = torch.unique_consecutive(earlier // block, return_counts=True)   # (sorted ascending)
-    base = (hs // g) * (span // block)                                # the item's kv head's first block
-    ids = kept_first(blocks[hs, ms], max(1, int(counts[-1])))[1].long() + base[:, None]   # earlier blocks first
-    own = (base + first + ms)[:, None]
-    a = 0
-    for c, size in zip(counts.tolist(), sizes.tolist()):
-        mask = torch.cat([tri.new_zeros(block, c * block), tri], dim=1)[None, None]   # [1, 1, B, (c + 1) B]
-        per_call = max(1, _CHUNK_FLOATS // ((c + 1) * block * d))
-        for a0 in range(a, a + size, per_call):
-            b0 = min(a + size, a0 + per_call)
-            cols = torch.cat([ids[a0:b0, :c], own[a0:b0]], dim=1).flatten()
-            ke, ve = (x.index_select(0, cols).view(b0 - a0, 1, (c + 1) * block, d) for x in (kb, vb))
-            o = _flash(qf.index_select(0, item[a0:b0]), ke, ve, scale, mask)[0]
-            of.index_copy_(0, item[a0:b0], o[:, 0])
-        a += size
+def block_keep_density(blocks: torch.Tensor, block: int, tq: int, tk: int) -> float:
+    """`keep_density` of `block_sparse_keep(blocks, ...)` from the block table alone [Hq, nQB, nKB] (no [Hq, nQB,
+    Tk] table made): a kept block counts its keys up to its query block's last row, for every row of the block."""
+    nqb, nkb, dev = blocks.shape[1], blocks.shape[2], blocks.device
+    rows = torch.clamp(tq - torch.arange(nqb, device=dev) * block, max=block)
+    last = (tk - tq) + torch.clamp(torch.arange(1, nqb + 1, device=dev) * block, max=tq)     # one past the last row
+    keys = torch.clamp(last[:, None] - torch.arange(nkb, device=dev)[None] * block, 0, block)  # [nQB, nKB]
+    keys = torch.minimum(keys, tk - torch.arange(nkb, device=dev)[None] * block)             # a ragged last key block
+    kept = (blocks.sum(dim=0, dtype=torch.int32) * keys).sum(dim=1).double() @ rows.double()
+    return float(kept) / (blocks.shape[0] * causal_pairs(tq, tk))
 
 
 @torch.no_grad()
-def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, blocks: torch.Tensor | None = None):
-    """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D], keep [Hq, nQB, Tk] ->
-    ([Tq, Hq, D], pairs computed per head [Hq] int64). blocks [Hq, nQB, ceil(Tk / block)] bool: the block table
-    `keep` was made from, where there is one (a block-sparse pattern): where the prompt starts at a block boundary,
-    each (head, query block) with its own block kept is then one fused call over its earlier kept blocks and its own
-    block, gathered as whole blocks (`_whole_blocks`).
+def gathered_blocks(q, k, v, blocks: torch.Tensor, block: int, scale: float):
+    """A block-sparse pattern's attention, kept pairs only: q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk,
+    Hkv, D], blocks [Hq, nQB, nKB] bool -> ([Tq, Hq, D], pairs computed per head [Hq] int64), or None where the
+    prompt does not start at a block boundary or a query block's own (diagonal) block is not kept (then
+    `gathered_attention` over `block_sparse_keep`). XAttention's tables always keep it.
 
-    Otherwise a (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the
+    Each (head, query block) is one item: its earlier kept blocks and its own block, gathered as whole blocks of K
+    and V into one fused call, the own block's columns causal by one mask all items of a call share. Items are
+    grouped by their count of earlier blocks, so none is padded (a padded item would need a mask of its own per
+    row). The last query block's rows are padded to a whole block (a padded row sees only the own block's padded
+    keys and is dropped). Query rows are read from q and answers written into the output in place, by (block, head),
+    and nothing of size [Hq, nQB, Tk] is made: on three real layers of a 7K prefill on a 2-core CPU that preamble
+    (the [.., Tk] table, its counts, q and the output moved to a head-major layout and back) had cost ~16 ms a layer
+    of ~110. (Against two calls, the earlier keys padded and the own block causal, merged by their log-sum-exp:
+    0-10% less time a layer, ~3% on average.)"""
+    (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
+    off = tk - tq
+    nqb, nkb, dev = -(-tq // block), -(-tk // block), q.device
+    m = torch.arange(nqb, device=dev)
+    first = off // block
+    if off % block or blocks.shape[1:] != (nqb, nkb) or not bool(blocks[:, m, first + m].all()):
+        return None
+    g, dtype = hq // hkv, q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    earlier_tab = blocks & (torch.arange(nkb, device=dev)[None] < (first + m)[:, None])    # [Hq, nQB, nKB]
+    earlier = earlier_tab.sum(dim=-1, dtype=torch.int32).flatten()                       # per item h * nQB + m
+    earlier, item = earlier.sort(stable=True)
+    hs, ms = item // nqb, item % nqb
+    counts, sizes = torch.unique_consecutive(earlier, return_counts=True)                # (ascending)
+    kb, vb = (F.pad(x.transpose(0, 1), (0, 0, 0, nkb * block - tk)).reshape(hkv * nkb, block, d) for x in (k, v))
+    base = (hs // g) * nkb                                                               # the item's kv head
+    ids = kept_first(earlier_tab.flatten(0, 1)[item], max(1, int(counts[-1])))[1].long() + base[:, None]
+    own = base + first + ms
+    pad = nqb * block - tq
+    qb = (F.pad(q, (0, 0, 0, 0, 0, pad)) if pad else q).view(nqb, block, hq, d)
+    out = torch.empty(nqb, block, hq, d, dtype=torch.float32, device=dev)
+    tri = torch.zeros(block, block, device=dev).masked_fill_(
+        torch.ones(block, block, dtype=torch.bool, device=dev).triu(1), float("-inf"))
+    a = 0
+    for c, size in zip(counts.tolist(), sizes.tolist()):
+        mask = torch.cat([tri.new_zeros(block, c * block), tri], dim=1)[None, None]        # [1, 1, B, (c + 1) B]
+        per_call = max(1, _CHUNK_FLOATS // ((c + 1) * block * d))
+        for a0 in range(a, a + size, per_call):
+            b0 = min(a + size, a0 + per_call)
+            h, mm = hs[a0:b0], ms[a0:b0]
+            cols = torch.cat([ids[a0:b0, :c], own[a0:b0, None]], dim=1).flatten()
+            ke, ve = (x.index_select(0, cols).view(b0 - a0, 1, (c + 1) * block, d) for x in (kb, vb))
+            out[mm, :, h] = _flash(qb[mm, :, h][:, None], ke, ve, scale, mask)[0][:, 0]
+        a += size
+    rows = torch.clamp(tq - m * block, max=block)[ms].long()
+    pairs = torch.zeros(hq, dtype=torch.int64, device=dev)
+    pairs.index_add_(0, hs, earlier.long() * block * rows + rows * (rows + 1) // 2)
+    return out.view(nqb * block, hq, d)[:tq].to(dtype), pairs.cpu()
+
+
+@torch.no_grad()
+def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float):
+    """q [Tq, Hq, D] (the last Tq of Tk positions), k/v [Tk, Hkv, D], keep [Hq, nQB, Tk] ->
+    ([Tq, Hq, D], pairs computed per head [Hq] int64). (A block-sparse pattern at a block boundary takes
+    `gathered_blocks`, whole blocks, instead.)
+
+    A (head, query block) whose own rows' keys are all kept (the usual case: the newest diagonal, the
     diagonal block) is two attentions merged by their log-sum-exp: its earlier kept keys, gathered ([n, D], padding
     masked by one row: every row sees them all, so no per-row mask), and its own keys, causal. All heads' blocks
     go in one list sorted by count and cut in batches, so little is padded and a layer makes a few calls. The
@@ -105,10 +140,7 @@ def gathered_attention(q, k, v, keep: torch.Tensor, block: int, scale: float, bl
     order = earlier.argsort()
     hs, ms, earlier = hs[order], ms[order], earlier[order]
     item = hs * nqb + ms
-    whole = blocks is not None and off % block == 0
-    if whole:
-        _whole_blocks(qf, kf, vf, blocks, hs, ms, item, earlier, g, span, off // block, scale, of)
-    for a, b, n in [] if whole else _chunks(earlier.tolist(), block):
+    for a, b, n in _chunks(earlier.tolist(), block):
         h, m, base = hs[a:b], ms[a:b], (hs[a:b] // g) * span
         qb = qf.index_select(0, item[a:b])
         if off % block == 0:                                                 # own keys: whole blocks of K

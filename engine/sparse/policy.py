@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.ops.attention import causal_attention
-from engine.ops.sparse_gather import gathered_attention, keep_density
+from engine.ops.sparse_gather import block_keep_density, gathered_attention, gathered_blocks, keep_density
 from engine.ops.sparse_prefill import causal_pairs
 from engine.sparse.specs import SPECS, PolicySpec
 from engine.step import QUIET, StepContext
@@ -243,11 +243,15 @@ class SparsePrefillPolicy(SparsePolicy):
         if limit < 1 and (least := self.least_density(tq, tk)) > limit:
             return f"the budgets keep at least {least:.0%} of the pairs at {tk:,} tokens: above {limit:.0%} {where}"
         pattern = self.estimate(q, k, scale)
-        if not q.is_cuda:
-            keep = self.keep(pattern, tq, tk)
-            if limit < 1 and (share := keep_density(keep, self.block, tq, tk)) > limit:
+        if not q.is_cuda:                   # a block table's own path makes no [Hq, nQB, Tk] table (gathered_blocks)
+            table = self.block_table(pattern)
+            keep = self.keep(pattern, tq, tk) if table is None else None
+            if limit < 1 and (share := keep_density(keep, self.block, tq, tk) if keep is not None else
+                              block_keep_density(table, self.block, tq, tk)) > limit:
                 return f"the pattern keeps {share:.0%} of the pairs: above {limit:.0%} {where}"
-            return (*gathered_attention(q, k, v, keep, self.block, scale, self.block_table(pattern)), pattern)
+            got = gathered_blocks(q, k, v, table, self.block, scale) if table is not None else None
+            return (*(got or gathered_attention(q, k, v, self.keep(pattern, tq, tk) if keep is None else keep,
+                                                self.block, scale)), pattern)
         if limit >= 1:
             return (*self.kernel(q, k, v, pattern, scale), pattern)
         # The gate's answer crosses to the host behind the kernel's launch: the kernel exits at once where it says

@@ -243,39 +243,52 @@ def test_gathered_vertical_slash_equals_the_definition(tq, tk, block):
     assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
 
 
-@pytest.mark.parametrize("hint", [False, True])     # the keep table alone, or with its blocks (whole-block gathers)
 @pytest.mark.parametrize("fused", [True, False])    # torch's fused CPU kernel, or the plain fallback without it
 @pytest.mark.parametrize("tq,tk,block", GATHER_CASES)
-def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, hint, monkeypatch):
+def test_gathered_block_sparse_equals_the_definition(tq, tk, block, fused, monkeypatch):
+    """Both CPU paths of a block table, the keep table's and the whole blocks' (where the prompt starts at a block
+    boundary and every own block is kept), compute exactly the pattern's pairs; the density the gate reads from the
+    block table alone equals the keep table's, an upper bound of the pairs."""
     from engine.ops import attention
-    from engine.ops.sparse_gather import gathered_attention, keep_density
+    from engine.ops.sparse_gather import block_keep_density, gathered_attention, gathered_blocks, keep_density
     from engine.ops.sparse_prefill import block_sparse_keep
     monkeypatch.setattr(attention, "_CPU_FLASH", fused and attention._CPU_FLASH)
     q, k, v = inputs(tq, tk)
     nqb, nkb = -(-tq // block), -(-tk // block)
     blocks = torch.rand(4, nqb, nkb, generator=torch.Generator().manual_seed(5)) < 0.4
     off = tk - tq
-    blocks[:, torch.arange(nqb), (off + torch.arange(nqb) * block) // block] = True   # most own blocks kept
-    blocks[1, 0] = False                                                               # head 1, block 0: no key
+    blocks[:, torch.arange(nqb), (off + torch.arange(nqb) * block) // block] = True   # every own block kept
     rows, cols = torch.arange(tq), torch.arange(tk)
     allowed = blocks[:, rows // block][:, :, cols // block] & (cols[None] <= off + rows[:, None])
+    want = dense_masked(q, k, v, allowed, 0.25)
     keep = block_sparse_keep(blocks, block, tq, tk)
-    out, pairs = gathered_attention(q, k, v, keep, block, 0.25, blocks if hint else None)
-    want = dense_masked(q, k, v, allowed, 0.25).nan_to_num(0.0)                       # empty rows: zero
-    assert torch.allclose(out, want, atol=1e-5)
+    whole = gathered_blocks(q, k, v, blocks, block, 0.25)
+    assert (whole is None) == (off % block != 0) and (whole is None or whole[0].is_contiguous())   # [Tq, Hq, D]
+    for out, pairs in [gathered_attention(q, k, v, keep, block, 0.25)] + ([whole] if whole else []):
+        assert torch.allclose(out, want, atol=1e-5)
+        assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
+    assert keep_density(keep, block, tq, tk) >= allowed.sum() / (4 * causal_pairs(tq, tk))   # an upper bound
+    assert block_keep_density(blocks, block, tq, tk) == pytest.approx(keep_density(keep, block, tq, tk), rel=1e-12)
+    blocks[1, 0] = False                                                               # head 1, block 0: no key
+    assert gathered_blocks(q, k, v, blocks, block, 0.25) is None                      # own block 0 not kept
+    allowed = blocks[:, rows // block][:, :, cols // block] & (cols[None] <= off + rows[:, None])
+    keep = block_sparse_keep(blocks, block, tq, tk)
+    out, pairs = gathered_attention(q, k, v, keep, block, 0.25)
+    assert torch.allclose(out, dense_masked(q, k, v, allowed, 0.25).nan_to_num(0.0), atol=1e-5)   # empty rows: 0
     assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist()
-    assert keep_density(keep, block, tq, tk) >= pairs.sum() / (4 * causal_pairs(tq, tk))   # an upper bound
+    assert block_keep_density(blocks, block, tq, tk) == pytest.approx(keep_density(keep, block, tq, tk), rel=1e-12)
 
 
 def test_gathered_blocks_without_their_own_block_equal_the_definition():
     """A block table that keeps no query block's own (diagonal) block: every block takes the exact-mask path."""
-    from engine.ops.sparse_gather import gathered_attention
+    from engine.ops.sparse_gather import gathered_attention, gathered_blocks
     from engine.ops.sparse_prefill import block_sparse_keep
     q, k, v = inputs(64, 64)
     blocks = torch.ones(4, 4, 4, dtype=torch.bool).tril(-1)                         # earlier blocks only
+    assert gathered_blocks(q, k, v, blocks, 16, 0.25) is None
     rows, cols = torch.arange(64), torch.arange(64)
     allowed = blocks[:, rows // 16][:, :, cols // 16] & (cols[None] <= rows[:, None])
-    out, pairs = gathered_attention(q, k, v, block_sparse_keep(blocks, 16, 64, 64), 16, 0.25, blocks)
+    out, pairs = gathered_attention(q, k, v, block_sparse_keep(blocks, 16, 64, 64), 16, 0.25)
     assert torch.allclose(out, dense_masked(q, k, v, allowed, 0.25).nan_to_num(0.0), atol=1e-5)
     assert pairs.tolist() == allowed.sum(dim=(1, 2)).tolist() and out[:16].abs().sum() == 0   # block 0: no key
 
