@@ -11,6 +11,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.control import TaskState
 from engine.errors import Cancelled, ConfigError, ContextTooLongError, ModelError, OutOfMemoryError
+from engine import host_malloc
 from engine.offload.tier import model_identity, open_tier
 from engine.outputs import Completion, Detokenizer, StreamChunk, request_stats, token_ends
 from engine.model_folder import eos_ids, load_tokenizer, resolve_model_dir
@@ -46,6 +47,8 @@ class LLM:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.device = cfg.resolve_device()
+        if self.device.type == "cpu":
+            host_malloc.tune()                 # big tensors reused, not mapped afresh (engine/host_malloc.py)
         self.dtype = cfg.resolve_dtype(self.device)
         self.tokenizer = None
         if cfg.shape is not None:
