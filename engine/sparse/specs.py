@@ -227,7 +227,7 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
                panel=False),
          Param("chunk_rows", int, 2048, 1, 1 << 20, "query rows scored at once (bounds the estimate's memory)",
                panel=False),
-         *_dense_gate(0.45))),
+         *_dense_gate(0.6))),
     PolicySpec(
         "streamingllm", "StreamingLLM", "decode", OFFLOAD,
         "Decode policy: attends to the first tokens (the attention sink) and a window of the most recent ones, "
