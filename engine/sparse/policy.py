@@ -245,13 +245,16 @@ class SparsePrefillPolicy(SparsePolicy):
         pattern = self.estimate(q, k, scale)
         if not q.is_cuda:                   # a block table's own path makes no [Hq, nQB, Tk] table (gathered_blocks)
             table = self.block_table(pattern)
-            keep = self.keep(pattern, tq, tk) if table is None else None
-            if limit < 1 and (share := keep_density(keep, self.block, tq, tk) if keep is not None else
-                              block_keep_density(table, self.block, tq, tk)) > limit:
+            keep = None if table is not None else self.keep(pattern, tq, tk)
+            share = block_keep_density(table, self.block, tq, tk) if keep is None else \
+                keep_density(keep, self.block, tq, tk)
+            if limit < 1 and share > limit:
                 return f"the pattern keeps {share:.0%} of the pairs: above {limit:.0%} {where}"
             got = gathered_blocks(q, k, v, table, self.block, scale) if table is not None else None
-            return (*(got or gathered_attention(q, k, v, self.keep(pattern, tq, tk) if keep is None else keep,
-                                                self.block, scale)), pattern)
+            if got is None:                 # (a block table off a block boundary, or without its own blocks)
+                got = gathered_attention(q, k, v, self.keep(pattern, tq, tk) if keep is None else keep, self.block,
+                                         scale)
+            return (*got, pattern)
         if limit >= 1:
             return (*self.kernel(q, k, v, pattern, scale), pattern)
         # The gate's answer crosses to the host behind the kernel's launch: the kernel exits at once where it says
