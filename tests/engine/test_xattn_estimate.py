@@ -50,6 +50,28 @@ def test_reference_equals_the_definition(tq, tk, s, b):
     assert torch.allclose(got.sum(-1), torch.ones(got.shape[:2]), atol=1e-5)   # each query block's shares sum to 1
 
 
+def test_a_bfloat16_matmul_keeps_the_shares_and_the_choice():
+    """The CPU estimate where the CPU has AMX (`cpu_matmul_dtype`): the scores' matmul in bfloat16, the softmax and
+    the sums in float32. Its shares stay within bf16's rounding of the definition's, and the choice of a prompt
+    with a few strong keys (the sink, a vertical line) is the float32 choice."""
+    from engine.ops.xattn_estimate import cpu_matmul_dtype, select_blocks_reference
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(40, 4, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    got = block_shares_reference(q, k, 0.4, 4, 16, chunk_rows=16, matmul_dtype=torch.bfloat16)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, definition(q, k, 0.4, 4, 16), atol=2e-2)
+    assert torch.allclose(got.sum(-1), torch.ones(got.shape[:2]), atol=1e-5)
+    tq = 512
+    q, k = torch.randn(tq, 4, 16, generator=g), torch.randn(tq, 2, 16, generator=g)
+    k[:4] += 3 * q.mean(dim=(0, 1))                                     # a sink
+    k[200:204] += 3 * q.mean(dim=(0, 1))                                # a vertical line
+    exact = select_blocks_reference(block_shares_reference(q, k, 0.25, 8, 32), 0.9, tq, tq, 32)
+    low = select_blocks_reference(block_shares_reference(q, k, 0.25, 8, 32, matmul_dtype=torch.bfloat16),
+                                  0.9, tq, tq, 32)
+    assert (exact != low).float().mean() < 0.01 and exact[:, 8:, 6].all()   # the vertical's block kept
+    assert cpu_matmul_dtype(torch.bfloat16) is None and cpu_matmul_dtype(torch.float16) is None  # rounded once only
+
+
 triton = pytest.importorskip("triton")
 
 from engine.ops.xattn_estimate import block_shares_triton  # noqa: E402
