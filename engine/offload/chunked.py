@@ -51,6 +51,7 @@ from engine.offload.runner import OffloadRunner
 from engine.offload.streams import wait_on
 from engine.sequence import Sequence
 from engine.step import StepContext
+from engine.trace.base import NULL_SPAN
 from engine.trace.events import COMPUTE, COMPUTING
 
 DECODE_GROUP_BYTES = 256 << 20   # a ring slot's room for decode's groups of earlier blocks (one layer's KV)
@@ -114,9 +115,11 @@ class ChunkedRunner(OffloadRunner):
         if graphed and len(loads) == len(model.layers):                   # one load per layer
             return self._graph_step(seq, cb, off, b, loads, tails, observe, first, ctx)
         h, residual, pos, cos_sin = self._inputs(seq, a, b)
+        marks = rec.detail and self.device.type == "cuda"   # CUDA timeline: spans share their boundary marks
+        mark = rec.mark() if marks else None
         for l, layer in enumerate(model.layers):
-            with rec.span(COMPUTE, model.layer_names[l], l):
-                with rec.span(COMPUTE, "attention", l):
+            with NULL_SPAN if marks else rec.span(COMPUTE, model.layer_names[l], l):
+                with NULL_SPAN if marks else rec.span(COMPUTE, "attention", l):
                     if off == 0:  # a new block: its previous contents must have left for the host
                         wait_on(oe.dbuf_read[l], self.device, rec, l)
                     own = oe.dbuf[l]                                        # [2, Hkv, bs, D]
@@ -130,14 +133,22 @@ class ChunkedRunner(OffloadRunner):
                     o, lse = attention_lse(q, own[0, :, lo:hi], own[1, :, lo:hi], self.scale, causal=True)
                     for i in range(at[l], at[l + 1]):
                         o, lse = self._earlier_block(q, o, lse, loads, first, i, rec, fix)
-                with rec.span(COMPUTE, "mlp", l):
+                if marks:                   # the layer, its attention and its MLP: three marks, the first shared
+                    mid = rec.mark()
+                    rec.add_event_span(COMPUTE, "attention", mark, mid, l)
+                with NULL_SPAN if marks else rec.span(COMPUTE, "mlp", l):
                     layer.post_rows(lse_output(o, q.dtype), h, residual)
+                if marks:
+                    rec.add_event_span(COMPUTE, "mlp", mid, rec.mark(), l)
                 if policy.plans_loads:
                     policy.on_kv_written(l, [seq.block_table[cb]], own[:1], off, b - cb * bs)
                 if b % bs == 0:
                     oe.offload_dbuf(l, seq.block_table[cb])
                 if policy.plans_loads and is_prefill and b == len(seq):   # the prompt's last query: a first choice
                     policy.observe_query(l, q[-1], ctx)
+            if marks:
+                began, mark = mark, rec.mark()
+                rec.add_event_span(COMPUTE, model.layer_names[l], began, mark, l)
             done, total = self._progress
             self._progress = (done + 1, total)
             ctx.layer_done(done + 1, total)
@@ -221,12 +232,13 @@ class ChunkedRunner(OffloadRunner):
         oe, N, bs = self.oe, self.oe.ring_slots, self.block_size
         layer = loads[i][0]
         slot = (first + i) % N
+        waited = None                   # (CUDA: the wait's end mark also times the slot's COMPUTING state)
         for ev in oe.ready(slot):
-            wait_on(ev, self.device, rec, layer, slot)
+            waited = wait_on(ev, self.device, rec, layer, slot) or waited
         blocks = isinstance(loads[i][1], list)
         tokens = bs * len(loads[i][1]) if blocks else bs
         if rec.detail:
-            rec.slot_state(slot, layer, COMPUTING, tokens, oe.capacity_tokens)
+            rec.slot_state(slot, layer, COMPUTING, tokens, oe.capacity_tokens, event=waited)
         if blocks:                                                      # g whole blocks: [Hkv, g * bs, D]
             kv = oe.buffers[slot][:len(loads[i][1])].transpose(0, 2).flatten(2, 3)   # [Hkv, 2, g * bs, D]
             k, v = kv[:, 0], kv[:, 1]

@@ -139,10 +139,10 @@ def compute_done(device: torch.device, stream=None):
 
 
 def wait_on(event, device: torch.device, recorder: Recorder = NULL_RECORDER, layer: int | None = None,
-            slot: int | None = None, name: str = "wait for copy", stream=None) -> None:
+            slot: int | None = None, name: str = "wait for copy", stream=None):
     """Make the compute stream (`stream`, default the current one) wait for a copy event. In a detailed step the
     wait itself is a span on the compute lane: marks just before and just after the wait bound the time compute
-    stalled."""
+    stalled; on CUDA the one after it is returned (it may time what comes next), else None."""
     if event is None or event is DONE:
         return
     if device.type == "cuda":
@@ -152,8 +152,9 @@ def wait_on(event, device: torch.device, recorder: Recorder = NULL_RECORDER, lay
             return
         e0 = recorder.mark(stream)
         stream.wait_event(event)
-        recorder.add_event_span(COMPUTE, name, e0, recorder.mark(stream), layer, slot=slot)
-        return
+        e1 = recorder.mark(stream)
+        recorder.add_event_span(COMPUTE, name, e0, e1, layer, slot=slot)
+        return e1
     if not recorder.detail or event.query():
         event.wait()
         return

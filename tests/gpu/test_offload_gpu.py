@@ -7,7 +7,7 @@ import torch
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 from engine.trace import TraceRecorder, summarize
-from engine.trace.events import COMPUTE, H2D
+from engine.trace.events import COMPUTE, COMPUTING, H2D
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -116,3 +116,32 @@ def test_warm_up_captures_at_load_and_leaves_no_trace(mode, prompts, reference):
         if mode == "layerwise":
             assert len(llm.runner.decode_graphs.graphs) == before    # the first turns captured nothing new
         print(f"{mode}: warm-up captured {len(llm.runner.decode_graphs.graphs) if mode != 'gpu' else 'traced'} graphs")
+
+
+def test_chunked_prefill_timeline_nests_each_layers_attention_and_mlp():
+    """A question over a cached document in chunked mode, traced on CUDA: the layer, its attention and its MLP share
+    their boundary marks (the layer begins with its attention, the MLP begins where the attention ends and ends
+    inside the layer), every wait lies inside its layer's attention, and each slot's COMPUTING state comes at the
+    end of the wait before it."""
+    llm = LLM(shape=shape_config("smollm2-135m"), max_model_len=4096, mode="chunked", kv_block_size=BS)
+    doc = torch.randint(0, 40000, (3 * BS,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm.generate([doc + [7]], SamplingParams(max_tokens=2, ignore_eos=True))        # the document's KV cached
+    rec = TraceRecorder(device=llm.device)
+    llm.recorder = rec
+    llm.generate([doc + list(range(11, 11 + BS + 40))], SamplingParams(max_tokens=2, ignore_eos=True))  # 2 chunks
+    llm.recorder = None
+    layers = llm.args.num_layers
+    llm.close()
+    prefill = next(s for s in rec.steps if s.phase == "prefill")
+    spans = prefill.lane_spans(COMPUTE)
+    by = lambda name, l: [s for s in spans if s.name == name and s.layer == l]   # noqa: E731
+    waits = [s for s in spans if s.name == "wait for copy"]
+    assert waits and {s.layer for s in spans if s.name.startswith("layer ")} == set(range(layers))
+    for l in range(layers):
+        for lay, att, mlp in zip(by(f"layer {l}", l), by("attention", l), by("mlp", l)):   # one per chunk
+            assert lay.t0_us == att.t0_us and att.t1_us == mlp.t0_us and mlp.t1_us <= lay.t1_us
+            assert all(att.t0_us <= w.t0_us <= w.t1_us <= att.t1_us for w in waits if w.layer == l
+                       and lay.t0_us <= w.t0_us <= lay.t1_us)
+    computing = [s for s in prefill.slots if s.state == COMPUTING]
+    ends = {w.t1_us for w in waits}
+    assert computing and all(s.t_us in ends for s in computing)
