@@ -6,9 +6,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvscope-installed
 CPU_TORCH ?= torch==2.13.0
-# fewer threads fighting over few cores keeps decode and the GUI responsive (see README)
+# fewer threads fighting over few cores keeps decode and the GUI responsive. torch's OpenMP threads keep their
+# default short spin between ops in `make run` (its engine has a process of its own; PASSIVE made CPU decode 1.4-1.7x
+# slower: README, "The engine as a library"); the tests set PASSIVE, their engines share the window's process.
 export OPENBLAS_NUM_THREADS ?= 1
-export OMP_WAIT_POLICY ?= PASSIVE
+TEST_ENV := OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} QT_QPA_PLATFORM=offscreen
 
 .PHONY: setup run test gpu-test bench screenshots clean-model lint
 
@@ -35,8 +37,8 @@ run: $(STAMP)
 	$(PY) main.py
 
 test: $(STAMP)
-	QT_QPA_PLATFORM=offscreen $(VENV)/bin/lint-imports
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(TEST_ENV) $(VENV)/bin/lint-imports
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 gpu-test: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
