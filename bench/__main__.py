@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import json
 import statistics
 import sys
@@ -125,6 +126,8 @@ def _main(argv=None) -> int:
     first = ours[0].llm
     desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
             f"torch {torch.__version__} · graphs {'on' if any(_graphs(o.llm.runner) for o in ours) else 'off'}")
+    if first.device.type == "cpu":   # (OMP_WAIT_POLICY=PASSIVE made CPU decode 1.4-1.7x slower: README)
+        desc += f" · {torch.get_num_threads()} threads · OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     for e in [e for e in engines if not isinstance(e, Ours)] + bases:   # variants share their base's engine
         e.close()
     gc.collect()
