@@ -16,8 +16,8 @@ than tau), plus the first key block (the sink) and the query block's own diagona
 each row; the Triton kernel finds the last kept share by bisection on its bits (the shares are non-negative, so
 their float bits order like integers) and never sorts: one launch for all rows.
 
-`block_shares_reference` is the torch form (the CPU path and the tests' reference): per kv head and chunk of query
-blocks, a matmul of the reordered rows, a softmax and a sum (~10 small kernels each, a Python loop). On CUDA the
+`block_shares_reference` is the torch form (the CPU path and the tests' reference): per chunk of query blocks, every
+kv head at once, a batched matmul of the reordered rows, a softmax and a sum (~10 small kernels each, a Python loop). On CUDA the
 Triton kernel computes it in one launch: a program holds BM strided rows of one query head (whole query blocks)
 and walks the key columns up to its last row twice, first for each row's softmax max and sum (online), then to
 add each row's normalized probabilities into its block's shares. Nothing of size Tq/S x Tk/S is stored.
@@ -39,7 +39,7 @@ _LOG2E = 1.4426950408889634
 def block_shares_reference(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int, block: int,
                            chunk_rows: int = 2048, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [Tq, Hq, D], k [Tk, Hkv, D] -> share [Hq, ceil(Tq/B), ceil(Tk/B)] float32 (see the module docstring).
-    Memory: G x chunk_rows/S x Tk/S floats at a time. `matmul_dtype`: the scores' matmul in that type (q and k
+    Memory: Hq x chunk_rows/S x Tk/S floats at a time. `matmul_dtype`: the scores' matmul in that type (q and k
     rounded to it once), the softmax and the sums in float32 whatever it is."""
     (tq, hq, d), (tk, hkv) = q.shape, k.shape[:2]
     g, s, b = hq // hkv, stride, block
@@ -51,23 +51,25 @@ def block_shares_reference(q: torch.Tensor, k: torch.Tensor, scale: float, strid
                                                     # chunk held S times as many and never cut a 7K prompt's square)
     if matmul_dtype is not None:
         q, k = q.to(matmul_dtype), k.to(matmul_dtype)
-    for h in range(hkv):          # (the keys of each cell reversed, not the queries: a third of the copying)
-        kh = F.pad(k[:, h], (0, 0, 0, nkb * b - tk)).reshape(nkb * cells, s, d).flip(1).reshape(nkb * cells, s * d)
-        for m0 in range(0, nqb, qb_per_chunk):
-            m1 = min(nqb, m0 + qb_per_chunk)
-            kb = min(nkb, (off + m1 * b - 1) // b + 1)          # key blocks after the chunk's last row: masked
-            rows = q[m0 * b:m1 * b, h * g:(h + 1) * g]                                       # [r, G, D]
-            if rows.shape[0] < (m1 - m0) * b:
-                rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
-            qs = rows.reshape(-1, s, g, d).permute(2, 0, 1, 3).reshape(g, -1, s * d)          # [G, r/S, S*D]
-            a = (qs @ kh[:kb * cells].T).float().mul_(scale / s)                             # [G, r/S, kb*cells]
-            last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
-            a.masked_fill_(kpos[None, None, :kb * cells] > last[None, :, None], float("-inf"))
-            a = a.softmax(dim=-1, dtype=torch.float32)
-            if last[-1] - s + 1 >= tk:
-                a[:, last - s + 1 >= tk] = 0                                    # padding rows past the prompt
-            part = a.reshape(g, m1 - m0, cells, kb, cells).sum(dim=(2, 4))      # [G, chunk, kb]
-            share[h * g:(h + 1) * g, m0:m1, :kb] = part / part.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    # every kv head at once (one batched matmul and one pass of each elementwise op a chunk: the per-head loop's
+    # small ops cost more than their work at a CPU's 7K prompt); the keys of each cell reversed, not the queries
+    kh = F.pad(k, (0, 0, 0, 0, 0, nkb * b - tk)).view(nkb * cells, s, hkv, d).flip(1).permute(2, 0, 1, 3) \
+        .reshape(hkv, nkb * cells, s * d)                                                   # [Hkv, Tk/S, S*D]
+    for m0 in range(0, nqb, qb_per_chunk):
+        m1 = min(nqb, m0 + qb_per_chunk)
+        kb = min(nkb, (off + m1 * b - 1) // b + 1)              # key blocks after the chunk's last row: masked
+        rows = q[m0 * b:m1 * b]                                                              # [r, Hq, D]
+        if rows.shape[0] < (m1 - m0) * b:
+            rows = F.pad(rows, (0, 0, 0, 0, 0, (m1 - m0) * b - rows.shape[0]))
+        qs = rows.view(-1, s, hkv, g, d).permute(2, 3, 0, 1, 4).reshape(hkv, -1, s * d)      # [Hkv, G*r/S, S*D]
+        a = torch.bmm(qs, kh[:, :kb * cells].transpose(1, 2)).float().mul_(scale / s).view(hq, -1, kb * cells)
+        last = off + (m0 * cells + torch.arange(a.shape[1], device=q.device)) * s + s - 1
+        a.masked_fill_(kpos[None, None, :kb * cells] > last[None, :, None], float("-inf"))
+        a = a.softmax(dim=-1, dtype=torch.float32)
+        if last[-1] - s + 1 >= tk:
+            a[:, last - s + 1 >= tk] = 0                                        # padding rows past the prompt
+        part = a.view(hq, m1 - m0, cells, kb, cells).sum(dim=(2, 4))            # [Hq, chunk, kb]
+        share[:, m0:m1, :kb] = part / part.sum(dim=-1, keepdim=True).clamp_min(1e-30)
     return share
 
 

@@ -11,8 +11,8 @@ are kept from the largest share down until the kept shares reach the threshold t
 sink) and the query block's own diagonal blocks always are. Every antidiagonal crosses every row and column of
 its cell once, so a vertical or a slash line inside a block shows up in its score (the paper's point).
 
-The shares come from engine.ops.xattn_estimate (one Triton launch on CUDA; elsewhere per kv head and chunk of
-query blocks in torch, memory G x chunk x Tk/S floats); the selection [Hq, Tq/B, Tk/B] runs in
+The shares come from engine.ops.xattn_estimate (one Triton launch on CUDA; elsewhere per chunk of query blocks
+in torch, memory Hq x chunk x Tk/S floats); the selection [Hq, Tq/B, Tk/B] runs in
 engine.ops.sparse_triton's block-sparse kernel on CUDA, engine.ops.sparse_gather elsewhere.
 """
 from __future__ import annotations
