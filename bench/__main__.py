@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import json
+import os
 import statistics
 import sys
 

@@ -17,10 +17,10 @@ each row; the Triton kernel finds the last kept share by bisection on its bits (
 their float bits order like integers) and never sorts: one launch for all rows.
 
 `block_shares_reference` is the torch form (the CPU path and the tests' reference): per chunk of query blocks, every
-kv head at once, a batched matmul of the reordered rows, a softmax and a sum (~10 small kernels each, a Python loop). On CUDA the
-Triton kernel computes it in one launch: a program holds BM strided rows of one query head (whole query blocks)
-and walks the key columns up to its last row twice, first for each row's softmax max and sum (online), then to
-add each row's normalized probabilities into its block's shares. Nothing of size Tq/S x Tk/S is stored.
+kv head at once, a batched matmul of the reordered rows, a softmax and a sum (~10 small kernels each, a Python
+loop). On CUDA the Triton kernel computes it in one launch: a program holds BM strided rows of one query head (whole
+query blocks) and walks the key columns up to its last row twice, first for each row's softmax max and sum (online),
+then to add each row's normalized probabilities into its block's shares. Nothing of size Tq/S x Tk/S is stored.
 """
 from __future__ import annotations
 
