@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 
-def wait_until(app, condition, timeout_s: float, what: str) -> None:
-    """Run the event loop until `condition()` holds (checked every 50 ms); TimeoutError after `timeout_s`."""
+def wait_until(app, condition, timeout_s: float, what: str, poll_ms: int = 50) -> None:
+    """Run the event loop until `condition()` holds (checked every `poll_ms`); TimeoutError after `timeout_s`."""
     from PySide6.QtCore import QEventLoop, QTimer
 
     loop = QEventLoop()
@@ -31,7 +31,7 @@ def wait_until(app, condition, timeout_s: float, what: str) -> None:
         elif time.monotonic() > deadline:
             loop.quit()
 
-    timer = QTimer(interval=50)
+    timer = QTimer(interval=poll_ms)
     timer.timeout.connect(check)
     timer.start()
     check()
@@ -50,11 +50,12 @@ def settle(app, seconds: float) -> None:
         time.sleep(0.02)
 
 
-def ask_and_wait(app, window, question: str, timeout_s: float) -> dict:
-    """Type `question` into the chat, send it, and wait for the answer to finish; returns its stats."""
+def ask_and_wait(app, window, question: str, timeout_s: float, poll_ms: int = 50) -> dict:
+    """Type `question` into the chat, send it, and wait for the answer to finish (checked every `poll_ms`: each
+    check wakes the GUI thread); returns its stats."""
     window.chat.input.setPlainText(question)
     window.chat.send_button.click()
-    wait_until(app, lambda: not window.chat.is_streaming() and not window.is_busy(), timeout_s, "the answer")
+    wait_until(app, lambda: not window.chat.is_streaming() and not window.is_busy(), timeout_s, "the answer", poll_ms)
     settle(app, 0.5)
     last = window.chat.messages()[-1]
     if last["role"] != "assistant":

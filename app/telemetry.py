@@ -9,7 +9,8 @@ time with the budget and halves or doubles the time between draws (33 ms .. 2 s:
 watched layerwise turn on a 2-core CPU still used 8-10% of a core), over windows in which steps
 arrived only (a GPU turn lasts about a second: an interval relaxed while the window idled between turns made every
 turn start drawing at 30 Hz, the GUI thread 22-25% busy during layerwise turns on an H100). Steps are coalesced meanwhile,
-never dropped; `flush()` draws at once (the end of an answer).
+never dropped; `flush()` draws at once (the end of an answer). Under a budget the timer itself ticks only at half the
+draw interval: each tick wakes the GUI thread, and on a 2-core CPU every wake-up takes a time slice from the engine.
 """
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ from PySide6.QtCore import QObject, QTimer
 TICK_MS = 33            # ~30 Hz
 MAX_INTERVAL_MS = 2000  # the slowest the views are redrawn while steps arrive
 ADJUST_S = 1.0          # how often the draw interval is adapted to the budget
+MAX_TICK_MS = 500       # under a budget the timer ticks at half the draw interval, up to this (each tick wakes the
+#                         GUI thread: 30 a second took a core's time slices from a CPU engine for nothing to draw)
 
 
-TIGHT_BUDGET = 0.05     # the GUI's share of a core when the engine computes on every core
+TIGHT_BUDGET = 0.05     # the GUI's share of a core where the engine's decode is a host loop on a GPU host
+CPU_BUDGET = 0.015      # ... and where the engine computes on every core of a CPU: each ms the window's process ran
+#                         there cost the engine up to ~2 ms (one thread of its team preempted, the other waits for it
+#                         at the next barrier). 2-core CPU, default model, tools/app_overhead.py (32-token turns): at
+#                         0.05 the app decoded at 0.93-0.95x the engine alone (1.5-2.7 draws/s), at 0.025 0.94-0.95x,
+#                         at 0.015 0.95-0.97x (0.6-0.8 draws/s; every step still drawn, at the latest when the answer ends)
 TIGHT_RENDER_MS = 250   # ... and how often the streaming answer is re-rendered then
 
 
@@ -37,10 +45,11 @@ def gui_budget(device: str, engine_threads: int, mode: str = "gpu", cores: int |
     GUI thread 30% busy) still cost layerwise 19-25% and chunked 27-30%, while the tight budget costs nothing
     measurable (tools/app_overhead.py, 8-10 interleaved rounds): other work on the host slows that one core (a
     CPU-burning process alone slowed chunked decode 0.81-0.83x, in bimodal turns: tools/host_load.py). No limit
-    where the engine leaves a core free or runs gpu mode (one graph replay per step)."""
+    where the engine leaves a core free or runs gpu mode (one graph replay per step). A CPU engine on every core
+    gets the tightest (CPU_BUDGET)."""
     cores = cores or os.cpu_count() or 1
     if device.startswith("cpu"):
-        return TIGHT_BUDGET if engine_threads >= cores else 1.0
+        return CPU_BUDGET if engine_threads >= cores else 1.0
     return TIGHT_BUDGET if mode in ("layerwise", "chunked") else 1.0
 
 
@@ -54,6 +63,7 @@ class TelemetryPump(QObject):
         self.recent: deque = deque(maxlen=64)   # steps for the metrics strip
         self._last_step = -1                    # number of the newest step drawn
         self.budget = 1.0                       # share of a core the GUI thread may use (1.0: no limit)
+        self._tick_ms = interval_ms             # the timer's interval without a budget
         self.interval_ms = float(interval_ms)   # the time between draws, adapted to the budget
         self._pending: list = []                # drained, not drawn yet
         self._arrived = False                   # steps came in the budget's current window
@@ -67,7 +77,14 @@ class TelemetryPump(QObject):
         """The share of one core the GUI thread may use while steps arrive (1.0 = draw at every tick)."""
         self.budget = share
         if share >= 1.0:
-            self.interval_ms = float(self.timer.interval())
+            self.interval_ms = float(self._tick_ms)
+        self._retime()
+
+    def _retime(self) -> None:
+        """The timer's interval: the tick, or under a budget half the draw interval (at most MAX_TICK_MS)."""
+        tick = self._tick_ms if self.budget >= 1.0 else int(min(MAX_TICK_MS, max(self._tick_ms, self.interval_ms / 2)))
+        if tick != self.timer.interval():
+            self.timer.setInterval(tick)
 
     def start(self) -> None:
         self.timer.start()
@@ -99,7 +116,7 @@ class TelemetryPump(QObject):
         self._arrived = self._arrived or bool(new)
         now = time.perf_counter()
         self._adapt(now)
-        if self._pending and (now - self._last_draw) * 1e3 >= self.interval_ms:
+        if self._pending and (now - self._last_draw) * 1e3 >= self.interval_ms - self.timer.interval() / 2:
             self.flush()
 
     def _adapt(self, now: float) -> None:
@@ -114,8 +131,9 @@ class TelemetryPump(QObject):
         if share > self.budget:
             self.interval_ms = min(MAX_INTERVAL_MS, self.interval_ms * 2)
         elif share < self.budget / 3:
-            self.interval_ms = max(self.timer.interval(), self.interval_ms / 2)
+            self.interval_ms = max(self._tick_ms, self.interval_ms / 2)
         self._window = (now, time.thread_time())
+        self._retime()
 
     def flush(self) -> None:
         """Draw every step drained so far (each view once).

@@ -26,10 +26,14 @@ from app.documents import Document, load_document
 from app.prompt import document_messages
 from app.quest_highlight import token_char_map
 from app.record import model_info, turn_stats
+from app.telemetry import gui_budget
 from engine.errors import KVScopeError
 
 
 TEXT_EVERY_S = 0.03   # one cross-thread signal per token at GPU speed kept the GUI thread (and the GIL) busy
+TIGHT_TEXT_EVERY_S = 0.2   # ... and where the window's CPU is scarce (app.telemetry.gui_budget < 1), text and prefill
+#                            progress at most this often (the chat re-renders every 250 ms there anyway): on a
+#                            2-core CPU each signal woke the window's threads, which took a core from the engine
 
 
 def _without_policy(config: dict) -> dict:
@@ -67,6 +71,7 @@ class WorkerBase(QObject):
         self.telemetry: deque = deque(maxlen=max_steps)   # StepTraces, drained by the GUI
         self.turn_steps: list = []                         # the last turn's StepTraces (export)
         self._cancel = threading.Event()
+        self.text_every_s = TEXT_EVERY_S                   # the answer's text and the prefill's progress: how often
 
     # ---------------------------------------------------------------- called from the GUI thread
     def stop(self) -> None:
@@ -164,7 +169,21 @@ class EngineWorker(WorkerBase):
             self._announce(self.document)
 
     def _ready(self) -> None:
-        self.model_ready.emit(model_info(self.llm))
+        info = model_info(self.llm)
+        tight = gui_budget(info.get("device", ""), int(info.get("threads", 1)), info.get("mode", "gpu")) < 1
+        self.text_every_s = TIGHT_TEXT_EVERY_S if tight else TEXT_EVERY_S
+        self.model_ready.emit(info)
+
+    def _progress(self):
+        """The prefill's progress callback: a signal at most every `text_every_s` (the first and the last always)."""
+        last = [0.0]
+
+        def report(fraction: float, message: str) -> None:
+            now = time.monotonic()
+            if fraction >= 1.0 or now - last[0] >= self.text_every_s:
+                last[0] = now
+                self.prefill_progress.emit(fraction, message)
+        return report
 
     @Slot(str)
     def open_document(self, path: str) -> None:
@@ -227,7 +246,7 @@ class EngineWorker(WorkerBase):
             ids = llm.tokenize_turn(messages)                # once: the token map and the engine both take them
             mapping = self._token_map(llm, messages, ids, doc.text, first_step)
             params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-            for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self.prefill_progress.emit,
+            for chunk in llm.stream(messages, params, cancel=self._cancel, progress=self._progress(),
                                     prompt_ids=ids):
                 if mapping is not None and mapping.done():      # (sent from this thread, as every signal is)
                     self.token_map.emit(mapping.result())
@@ -237,7 +256,7 @@ class EngineWorker(WorkerBase):
                 elif chunk.text:
                     answer.append(chunk.text)
                     unsent += 1
-                    if (now := time.monotonic()) - sent_at >= TEXT_EVERY_S:
+                    if (now := time.monotonic()) - sent_at >= self.text_every_s:
                         self.answer_text.emit("".join(answer[-unsent:]))
                         unsent, sent_at = 0, now
         except KVScopeError as e:

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 QUESTION = "Summarise the document in detail, section by section."
+POLL_MS = 250   # how often a timed turn checks whether the answer ended: each check wakes the GUI thread, which on a
+#                 2-core CPU takes a time slice from the engine (a user's window has no such timer)
 
 ENGINE_ONLY = r"""
 import json, sys
@@ -207,7 +209,7 @@ def main() -> int:
             win.telemetry.stop()
         win.watch_action.setChecked(watch)
         clock = TurnClock(getattr(win.worker, "pid", None))
-        into.append({**ask_and_wait(app, win, QUESTION, 600), "clock": clock.read()})
+        into.append({**ask_and_wait(app, win, QUESTION, 600, POLL_MS), "clock": clock.read()})
         win.watch_action.setChecked(True)
         win.telemetry.start()
 

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 from engine.trace.events import D2H, DECODE, H2D, StepTrace
 from engine.trace.summary import summarize
 from widgets.export import add_export_actions
+from widgets.steady import SteadyLabel
 from widgets.trace_common import fmt_bytes
 
 # key -> (caption, tooltip)
@@ -34,6 +35,8 @@ FIELDS = {
     "host_kv": ("host KV", "KV cache held in host memory (offload modes; latest step)"),
 }
 NONE = "—"
+SAMPLES = {"decode_tok_s": "8,888.8", "prefill_tok_s": "88,888", "ttft": "888 ms", "h2d_gbps": "88.88",
+           "d2h_gbps": "88.88", "gpu_mem": "888.8 MiB", "host_kv": "888.8 MiB"}   # each figure's usual widest text
 
 
 def _get(stats, key: str):
@@ -69,8 +72,7 @@ class MetricsStrip(QWidget):
             small = QFont()
             small.setPointSizeF(small.pointSizeF() * 0.85)
             cap.setFont(small)
-            value = QLabel(NONE)
-            value.setFont(value_font)
+            value = SteadyLabel(NONE, SAMPLES[key], value_font)     # a new figure lays out no dock
             value.setObjectName(f"metric_{key}")
             box.addWidget(cap)
             box.addWidget(value)

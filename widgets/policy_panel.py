@@ -66,6 +66,9 @@ class PolicyPanel(QWidget):
         italic = self.busy_label.font()
         italic.setItalic(True)
         self.busy_label.setFont(italic)
+        policy = self.busy_label.sizePolicy()
+        policy.setRetainSizeWhenHidden(True)   # shown for each turn: keeping its place moves no knob above it
+        self.busy_label.setSizePolicy(policy)
         self.busy_label.hide()
         self.note_label = QLabel()    # e.g. "Quest isn't available in gpu mode: switched to Full"
         self.note_label.setWordWrap(True)

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QToolButton, QVB
 
 from engine.trace.events import COMPUTE, D2H, H2D, HOST, LANES, Span, StepTrace
 from engine.trace.summary import TraceSummary, lane_arrays, summarize
+from widgets.steady import SteadyHeight
 from widgets.trace_common import (DEFAULT_MAX_STEPS, KIND_COLORS, TracePlot, fmt_bytes, fmt_pct, fmt_us,
                                   text_color_on)
 
@@ -118,7 +119,7 @@ class TimelineView(TracePlot):
                                   for k, c in KIND_COLORS.items()))
         legend.setTextFormat(Qt.TextFormat.RichText)
         self.summary_label = QLabel("no steps yet")
-        self.summary_label.setWordWrap(True)
+        self._summary_box = SteadyHeight(self.summary_label)    # a new summary line lays out no dock, resizes no plot
         self.summary_label.setToolTip("Busy: share of the visible time each lane worked. Overlap: share of copy time "
                                       "that ran while compute ran. Exposed copy: copy time with compute idle.")
 
@@ -131,7 +132,7 @@ class TimelineView(TracePlot):
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addLayout(bar)
         layout.addWidget(self.plot, 1)
-        layout.addWidget(self.summary_label)
+        layout.addWidget(self._summary_box)
 
     # ---------------------------------------------------------------- drawing data
     def _prepare(self, step: StepTrace) -> _StepBars:
@@ -241,12 +242,14 @@ class TimelineView(TracePlot):
         if ext is None:
             self.summary = None
             self.summary_label.setText("no steps yet")
+            self._summary_box.relax()
             return
         v0, v1 = self.visible_ms()
         t0, t1 = max(v0, ext[0]) * 1e3, min(v1, ext[1]) * 1e3
         if t1 <= t0:
             self.summary = None
             self.summary_label.setText("nothing recorded in the visible range")
+            self._summary_box.text_changed()
             return
         visible = self._visible_steps(t0 / 1e3, t1 / 1e3)
         steps = [step for step, _ in visible]
@@ -265,3 +268,4 @@ class TimelineView(TracePlot):
         if rates:
             text += " — " + " · ".join(rates)
         self.summary_label.setText(text)
+        self._summary_box.text_changed()

@@ -4,11 +4,11 @@ import time
 from types import SimpleNamespace
 
 from app import telemetry
-from app.telemetry import TIGHT_BUDGET, TelemetryPump, gui_budget
+from app.telemetry import CPU_BUDGET, TIGHT_BUDGET, TelemetryPump, gui_budget
 
 
 def test_the_budget_is_tight_only_where_the_engine_needs_what_the_gui_takes():
-    assert gui_budget("cpu", 2, "layerwise", cores=2) == TIGHT_BUDGET
+    assert gui_budget("cpu", 2, "layerwise", cores=2) == CPU_BUDGET
     assert gui_budget("cpu", 3, "gpu", cores=4) == 1.0             # a core to spare
     assert gui_budget("cuda:0", 16, "gpu", cores=16) == 1.0        # one graph replay per step
     assert gui_budget("cuda:0", 16, "layerwise", cores=16) == TIGHT_BUDGET   # a Python loop per step: the GIL
@@ -63,3 +63,18 @@ def test_the_interval_learned_in_a_turn_carries_over_the_idle_time_between_turns
         pump.tick()
         time.sleep(0.005)
     assert pump.interval_ms >= learned                   # (the draw of what was pending may still raise it)
+
+
+def test_under_a_budget_the_timer_wakes_only_as_often_as_draws_can_come(qapp, monkeypatch):
+    """Each tick wakes the GUI thread (on a 2-core CPU it takes a time slice from the engine): under a budget the timer
+    ticks at half the draw interval (at most MAX_TICK_MS apart); without one, every TICK_MS."""
+    monkeypatch.setattr(telemetry, "ADJUST_S", 0.05)
+    pump, _ = _pump(cost_s=0.01, budget=0.05)
+    assert pump.timer.interval() == telemetry.TICK_MS
+    for _ in range(60):
+        pump.tick()
+        time.sleep(0.005)
+    assert pump.interval_ms >= 4 * telemetry.TICK_MS
+    assert pump.timer.interval() == min(telemetry.MAX_TICK_MS, int(pump.interval_ms / 2))
+    pump.set_budget(1.0)
+    assert pump.timer.interval() == telemetry.TICK_MS and pump.interval_ms == telemetry.TICK_MS

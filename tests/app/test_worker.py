@@ -141,22 +141,41 @@ def test_the_engine_thread_keeps_one_python_thread_state(qtbot, thread_class, ke
 
 
 def test_streamed_text_is_batched_at_speed_and_nothing_is_lost(worker, monkeypatch):
-    """At GPU speed a signal per token kept the GUI thread busy: text goes out at most every TEXT_EVERY_S, and the
-    pieces still add up to the whole answer (the last piece is sent before the turn ends)."""
-    import app.worker as w
-    pieces = []
+    """At GPU speed a signal per token kept the GUI thread busy: text goes out at most every `text_every_s`, and the
+    pieces still add up to the whole answer (the last piece is sent before the turn ends). The prefill's progress
+    goes out as seldom: its first report and its end always."""
+    pieces, progress = [], []
     worker.answer_text.connect(pieces.append)
+    worker.prefill_progress.connect(lambda f, _: progress.append(f))
+    monkeypatch.setattr(worker, "text_every_s", 0.0)
     worker.new_chat()
     worker.ask("Who keeps the log?", {"max_tokens": 12, "temperature": 0.0}, "")
     every_token = len(pieces)
     answer = worker.history[-1]["content"]
     assert "".join(pieces) == answer and every_token > 1
+    layers = worker.llm.args.num_layers
+    assert progress == [i / layers for i in range(1, layers + 1)]                 # every layer's report
     pieces.clear()
-    monkeypatch.setattr(w, "TEXT_EVERY_S", 60.0)          # slower than the whole turn: the first piece and the rest
+    progress.clear()
+    monkeypatch.setattr(worker, "text_every_s", 60.0)          # slower than the whole turn: the first piece and the rest
     worker.new_chat()
     worker.ask("Who keeps the log?", {"max_tokens": 12, "temperature": 0.0}, "")
     assert "".join(pieces) == worker.history[-1]["content"] == answer and len(pieces) == 2
+    assert progress == [1 / layers, 1.0]
     worker.answer_text.disconnect(pieces.append)
+    worker.prefill_progress.disconnect()
+
+
+def test_a_cpu_engine_on_every_core_sends_text_less_often(worker):
+    """Where the engine computes on every core of a CPU (the window's budget is tight there), each signal woke the
+    window's threads and took a core's time from the engine: text and progress go out every 0.2 s at most."""
+    import os
+
+    import torch
+
+    import app.worker as w
+    every_core = torch.get_num_threads() >= (os.cpu_count() or 1)
+    assert worker.text_every_s == (w.TIGHT_TEXT_EVERY_S if every_core else w.TEXT_EVERY_S)
 
 
 def test_a_quest_turn_maps_its_tokens_beside_the_prefill_and_the_map_comes_before_the_turn_ends(worker):
