@@ -82,6 +82,11 @@ def thread_clocks(pid: int) -> dict[int, tuple[int, int, int]]:
     return out
 
 
+def cpu_set(text: str) -> set[int]:
+    """"3" or "3,4" -> {3} or {3, 4} (--pin)."""
+    return {int(c) for c in text.split(",")}
+
+
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process `pid` onto `cpus` (threads made later inherit it from the thread that makes them)."""
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -158,10 +163,12 @@ def main() -> int:
     ap.add_argument("--engine-thread", action="store_true",
                     help="the engine on the window's engine thread (sharing the GIL with the GUI), not in a process "
                          "of its own as `python main.py` runs it")
-    ap.add_argument("--pin", type=int, default=None, metavar="CPU",
+    ap.add_argument("--pin", type=cpu_set, default=None, metavar="CPUS",
                     help="every engine process (the app's and the engine-only ones: their turns never overlap) on this "
-                         "CPU, the window's process on the others: every kind of turn runs on the same CPU (a GPU "
-                         "host's CPUs were seen to run at two speeds, and a process stays on its CPU for long)")
+                         "CPU (or these: 3,4), the window's process on the others: every kind of turn runs on the same "
+                         "CPU (a GPU host's CPUs were seen to run at two speeds, and a process stays on its CPU for "
+                         "long). Two CPUs let the app's engine process send on its outbox thread beside its engine "
+                         "thread, as it does unpinned; on one CPU that thread takes the engine's")
     args = ap.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -196,9 +203,9 @@ def main() -> int:
     if args.pin is not None:
         engines = [p for p in (getattr(win.worker, "pid", None), alone.proc.pid, other and other.proc.pid) if p]
         for pid in engines:
-            pin(pid, {args.pin})
-        pin(os.getpid(), set(os.sched_getaffinity(0)) - {args.pin})
-        print(f"pinned: engine processes {engines} on CPU {args.pin}, the window's process on the others")
+            pin(pid, args.pin)
+        pin(os.getpid(), set(os.sched_getaffinity(0)) - args.pin)
+        print(f"pinned: engine processes {engines} on CPUs {sorted(args.pin)}, the window's process on the others")
     with_app, without, traced, control, refresh, backlog, unwatched, quiet = [], [], [], [], [], [], [], []
 
     def window_turn(into: list, draw: bool = True, watch: bool = True) -> None:

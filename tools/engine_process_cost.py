@@ -72,15 +72,17 @@ class AppEngine:
 
 
 def main() -> int:
+    from app_overhead import EngineOnly, cpu_set, pin
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", default="layerwise")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--pin", type=int, default=None, help="every thread of the three processes on this CPU")
+    ap.add_argument("--pin", type=cpu_set, default=None, metavar="CPUS",
+                    help="every thread of the three processes on this CPU, or these (3,4: the outbox thread of the "
+                         "app's engine process beside its engine thread, as on an unpinned host)")
     args = ap.parse_args()
 
     from app.samples import SAMPLE
-    from app_overhead import EngineOnly, pin
 
     engine = {"mode": args.mode}
     cli = EngineOnly(engine, str(SAMPLE), args.tokens)
@@ -88,7 +90,7 @@ def main() -> int:
     turns = {"cli": lambda: cli.turn(False), "unwatched": unwatched.turn, "watched": watched.turn}
     if args.pin is not None:
         for pid in (cli.proc.pid, unwatched.pid, watched.pid):
-            pin(pid, {args.pin})
+            pin(pid, args.pin)
     names, res = list(turns), {k: [] for k in turns}
     for r in range(args.rounds):                            # the order rotates every round
         for i in range(len(names)):
@@ -96,7 +98,7 @@ def main() -> int:
             res[name].append(float(turns[name]()["decode_tok_s"]))
     for proc in (cli, unwatched, watched):
         proc.close()
-    print(f"{args.mode}, {args.tokens} tokens, {args.rounds} rounds{f', pinned to CPU {args.pin}' if args.pin is not None else ''}"
+    print(f"{args.mode}, {args.tokens} tokens, {args.rounds} rounds{f', pinned to CPUs {sorted(args.pin)}' if args.pin is not None else ''}"
           ": decode tok/s (median; against the same round's cli turn)")
     for name, v in res.items():
         paired = [x / y for x, y in zip(v, res["cli"])]
