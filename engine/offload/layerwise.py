@@ -104,8 +104,7 @@ class LayerwiseRunner(OffloadRunner):
                 q_last = None
                 looks = observe and (is_prefill or policy.observes(l, end)   # decode: it sees q before attention
                                      or policy.looks_ahead and policy.observes(l + 1, end))   # (or guesses l + 1's)
-                if not looks:
-                    oe.wait_ahead(buf, rec, l)
+                waited = not looks and oe.wait_ahead(buf, rec, l)
                 if looks and policy.wants_layer_keys:
                     ctx.layer_keys = lambda: self._layer_keys(l, buf, new, n_host, end, ctx)
                 if graphs is not None:               # decode: q out, h and residual in place
@@ -117,7 +116,8 @@ class LayerwiseRunner(OffloadRunner):
                     graphs.run(l, buf, int(packed is not None), (*new, context, (end - 1) % bs), between,
                                policy.looks_ahead)
                 else:
-                    with rec.span(COMPUTE, "attention", l):
+                    att = (rec.mark() if waited else began) if marks else None   # (after a wait for the fetch ahead)
+                    with NULL_SPAN if marks else rec.span(COMPUTE, "attention", l):
                         K, V = oe.kv_views(buf)
                         where = slots if packed is None else self._slot_of(pos, end, new)
                         q = layer.qkv_rows(h, residual, cos_sin, lambda k, v, a, b: store_kv(
@@ -133,9 +133,14 @@ class LayerwiseRunner(OffloadRunner):
                             o = decode_attention(q, K, V, self.table[:, :-(-context // bs)],
                                                  torch.full((1,), context, device=self.device), self.scale)
                         del q                        # long prompts: q and o are 1 GiB each at 128K
-                    with rec.span(COMPUTE, "mlp", l):
+                    if marks:                        # attention and MLP share a mark, attention the wait's end
+                        mid = rec.mark()
+                        rec.add_event_span(COMPUTE, "attention", att, mid, l)
+                    with NULL_SPAN if marks else rec.span(COMPUTE, "mlp", l):
                         layer.post_rows(o, h, residual, self.chunk_tokens)
                         del o
+                    if marks:
+                        rec.add_event_span(COMPUTE, "mlp", mid, rec.mark(), l)
                 self._after_layer(seq, l, buf, packed, n_host, n_done, start, end, new, kept=graphs is not None)
                 if marks:
                     mark = rec.mark()

@@ -252,12 +252,13 @@ class OffloadEngine:
         else:
             self.loaded[buf] = done
 
-    def wait_ahead(self, buf: int, recorder=None, layer: int | None = None) -> None:
-        """The compute stream waits for the buffer's deferred `ahead` work, if any."""
+    def wait_ahead(self, buf: int, recorder=None, layer: int | None = None) -> bool:
+        """The compute stream waits for the buffer's deferred `ahead` work, if any (True when there was some)."""
         done = self._ahead.pop(buf, None)
         if done is not None:
             wait_on(done, self.device, recorder or self.recorder, layer, buf if buf < self.ring_slots else None,
                     name="wait for the fetch ahead", stream=self.compute)
+        return done is not None
 
     def _source(self, layer: int) -> torch.Tensor:
         """One layer of the host pool as kernels read it: on CUDA through the pool's device mapping."""

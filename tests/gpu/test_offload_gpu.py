@@ -145,3 +145,26 @@ def test_chunked_prefill_timeline_nests_each_layers_attention_and_mlp():
     computing = [s for s in prefill.slots if s.state == COMPUTING]
     ends = {w.t1_us for w in waits}
     assert computing and all(s.t_us in ends for s in computing)
+
+
+def test_layerwise_prefill_timeline_shares_marks_between_wait_attention_and_mlp():
+    """A question over a cached document in layerwise mode, traced on CUDA: each layer begins where its wait for the
+    copy ends, its attention begins with it, its MLP begins where the attention ends and ends inside the layer; each
+    slot's COMPUTING state comes at the end of the wait before it."""
+    llm = LLM(shape=shape_config("smollm2-135m"), max_model_len=4096, mode="layerwise", kv_block_size=BS)
+    doc = torch.randint(0, 40000, (3 * BS,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm.generate([doc + [7]], SamplingParams(max_tokens=2, ignore_eos=True))        # the document's KV cached
+    rec = TraceRecorder(device=llm.device)
+    llm.recorder = rec
+    llm.generate([doc + list(range(11, 11 + 40))], SamplingParams(max_tokens=2, ignore_eos=True))
+    llm.recorder = None
+    layers = llm.args.num_layers
+    llm.close()
+    prefill = next(s for s in rec.steps if s.phase == "prefill")
+    spans = prefill.lane_spans(COMPUTE)
+    one = lambda name, l: next(s for s in spans if s.name == name and s.layer == l)   # noqa: E731
+    for l in range(layers):
+        wait, lay, att, mlp = (one(n, l) for n in ("wait for copy", f"layer {l}", "attention", "mlp"))
+        assert wait.t1_us == lay.t0_us == att.t0_us and att.t1_us == mlp.t0_us and mlp.t1_us <= lay.t1_us
+    computing = [s for s in prefill.slots if s.state == COMPUTING]
+    assert computing and all(s.t_us in {w.t1_us for w in spans if w.name == "wait for copy"} for s in computing)
