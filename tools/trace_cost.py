@@ -71,6 +71,7 @@ def recorder(variant: str, device, mode: str):
 
 
 SAME_PROMPT: list[int] = []     # --same-prompt: one prompt for every turn (its KV in the prefix cache after the first)
+QUESTION = [16]                 # ... but its last this many tokens (--question)
 
 
 def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, prof=None) -> dict:
@@ -79,7 +80,7 @@ def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, pro
     try:
         prompt = torch.randint(0, llm.args.vocab_size, (ctx,), generator=gen).tolist()
         if SAME_PROMPT:                            # (the generator still moves: the variants' turns stay alike)
-            prompt = SAME_PROMPT[:ctx - 16] + prompt[-16:]   # a cached document, a new question
+            prompt = SAME_PROMPT[:ctx - QUESTION[0]] + prompt[-QUESTION[0]:]   # a cached document, a new question
         seq = llm.add_request(prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
         t0 = time.perf_counter()
         llm.step()                                     # prefill (its trace is read in the first decode step)
@@ -141,6 +142,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--same-prompt", action="store_true", help="every turn the same prompt but its last 16 tokens (as "
                    "the app's turns about one document: its KV in the prefix cache, the question prefilled)")
+    p.add_argument("--question", type=int, default=16, help="--same-prompt: the new tokens at the end of each turn's "
+                   "prompt (e.g. 220: a question of the app's chat template over a cached document)")
     p.add_argument("--blocks", type=int, default=0, help="steps per block: the steady steps of one answer, the "
                    "recorder swapped every block (see above); --turns rounds")
     a = p.parse_args()
@@ -162,6 +165,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     if a.same_prompt:
         SAME_PROMPT[:] = torch.randint(0, llm.args.vocab_size, (a.ctx,), generator=gen).tolist()
+        QUESTION[0] = a.question
     turn(llm, "plain", a.ctx, 8, gen)                  # warm-up: kernels, graphs
     turn(llm, "live", a.ctx, 8, gen)
     res: dict[str, list[dict]] = {v: [] for v in variants}
@@ -193,7 +197,7 @@ def main() -> None:
               f"{med['prefill']:.1f}{pre}  first step {med['first']:.2f}  steady {med['steady']:.3f}{extra}")
         print("         per turn: " + ", ".join(f"{t['turn']:.3f}" for t in res[v]))
         if base and v != "plain":   # each round's turn against the same round's plain one (the host drifts slowly)
-            for key, what in (("turn", "decode"), ("whole", "whole turn")):
+            for key, what in (("turn", "decode"), ("whole", "whole turn"), ("prefill", "prefill step")):
                 paired = [t[key] / u[key] for t, u in zip(res[v], res["plain"])]
                 print(f"         {what} paired with plain, round by round: median {statistics.median(paired):.3f}x "
                       f"({min(paired):.2f}-{max(paired):.2f})")
