@@ -3,7 +3,8 @@
     python tools/trace_cost.py --shape smollm2-135m --ctx 6144 --mode layerwise --turns 6 --steps 64
     python tools/trace_cost.py --shape qwen3-4b --ctx 32768 --mode layerwise --policy quest:token_budget=2048
 
-Variants (the order rotates every round, each turn a fresh random prompt):
+Variants (the order rotates every round, each turn a fresh random prompt; each variant's recorder lives the whole
+run, as the app's worker keeps one: `--fresh` makes a new one per turn, whose prefill then creates its CUDA events):
   plain   no recorder
   live    the app's recorder (TraceRecorder.live: a per-layer timeline LIVE_DETAIL_HZ times a second; on a CPU and
           in the offload modes on CUDA LOW_DETAIL_HZ)
@@ -60,22 +61,36 @@ def _read_all(conn) -> None:
             return
 
 
-def recorder(variant: str, device, mode: str):
+RECORDERS: dict = {}            # one recorder per variant for the whole run, as the app's worker keeps one (--fresh: not)
+
+
+def recorder(variant: str, device, mode: str, fresh: bool = False):
+    """The variant's recorder: the same one turn after turn (its pool of timing events filled by the first turns, as
+    in the app), or with `fresh` a new one per turn (each prefill then creates its CUDA events: ~100-300)."""
     if variant == "plain":
         return None
+    if not fresh and variant in RECORDERS:
+        return RECORDERS[variant]
     if variant == "send":
-        return TraceRecorder.live(device, mode=mode, on_step=OUTBOX[0].append)
-    hz = {"live": None, "record": None, "lean": 1e-9, "full": 1e9}[variant]
-    return TraceRecorder.live(device, mode=mode) if hz is None else TraceRecorder(max_steps=512, device=device,
-                                                                                  detail_hz=hz)
+        rec = TraceRecorder.live(device, mode=mode, on_step=OUTBOX[0].append)
+    else:
+        hz = {"live": None, "record": None, "lean": 1e-9, "full": 1e9}[variant]
+        rec = TraceRecorder.live(device, mode=mode) if hz is None else TraceRecorder(max_steps=512, device=device,
+                                                                                    detail_hz=hz)
+    RECORDERS[variant] = rec
+    return rec
 
 
 SAME_PROMPT: list[int] = []     # --same-prompt: one prompt for every turn (its KV in the prefix cache after the first)
 QUESTION = [16]                 # ... but its last this many tokens (--question)
 
 
+FRESH = [False]                 # --fresh
+
+
 def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, prof=None) -> dict:
-    rec = recorder(variant, llm.device, llm.config.mode)
+    rec = recorder(variant, llm.device, llm.config.mode, FRESH[0])
+    first = rec.steps[-1].step + 1 if rec is not None and rec.steps else 0     # this turn's steps: from this number
     llm.recorder = rec
     try:
         prompt = torch.randint(0, llm.args.vocab_size, (ctx,), generator=gen).tolist()
@@ -96,7 +111,7 @@ def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, pro
             prof.disable()
         if rec is not None:
             rec.flush()
-        write = save(llm, rec, seq) if variant == "record" else 0.0
+        write = save(llm, rec, seq, first) if variant == "record" else 0.0
     finally:
         llm.recorder = None
     out = {"turn": (seq.t_last_token - seq.t_first_token) * 1e3 / steps, "whole": prefill + sum(times) + write,
@@ -113,14 +128,14 @@ def turn(llm: LLM, variant: str, ctx: int, steps: int, gen: torch.Generator, pro
     return out
 
 
-def save(llm: LLM, rec, seq) -> float:
+def save(llm: LLM, rec, seq, first: int) -> float:
     """The turn as `chat --record` saves it (no document: random tokens), into an existing folder (a temporary one,
     made and removed outside the time): ms."""
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         info = model_info(llm)
         conv = Conversation()
-        steps = [s for s in rec.steps if s.phase in ("prefill", "decode")]
+        steps = [s for s in rec.steps if s.phase in ("prefill", "decode") and s.step >= first]
         conv.end_turn("(random tokens)", "", {"prompt_tokens": seq.num_prompt_tokens}, {"mode": llm.config.mode},
                       steps)
         save_recording(conv.recording("", {"device": str(llm.device), "app": {"model": info}}), Path(d) / "t.kvscope")
@@ -142,11 +157,14 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--same-prompt", action="store_true", help="every turn the same prompt but its last 16 tokens (as "
                    "the app's turns about one document: its KV in the prefix cache, the question prefilled)")
+    p.add_argument("--fresh", action="store_true", help="a new recorder every turn (the app keeps one: its pool of "
+                   "CUDA timing events is then filled; a fresh one creates each event its prefill records)")
     p.add_argument("--question", type=int, default=16, help="--same-prompt: the new tokens at the end of each turn's "
                    "prompt (e.g. 220: a question of the app's chat template over a cached document)")
     p.add_argument("--blocks", type=int, default=0, help="steps per block: the steady steps of one answer, the "
                    "recorder swapped every block (see above); --turns rounds")
     a = p.parse_args()
+    FRESH[0] = a.fresh
     (name, params), = parse_policy_spec(a.policy)
     kw = {"kv_block_size": a.block_size} if a.block_size else {}
     variants = a.variants.split(",")
