@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--profile", default=None, choices=VARIANTS, help="cProfile this variant's last turn")
     p.add_argument("--rows", type=int, default=25)
-    p.add_argument("--same-prompt", action="store_true", help="every turn the same prompt but its last 16 tokens (as "
+    p.add_argument("--same-prompt", action="store_true", help="every turn the same prompt but its last --question tokens (as "
                    "the app's turns about one document: its KV in the prefix cache, the question prefilled)")
     p.add_argument("--fresh", action="store_true", help="a new recorder every turn (the app keeps one: its pool of "
                    "CUDA timing events is then filled; a fresh one creates each event its prefill records)")
