@@ -5,7 +5,7 @@ In one process they share the GIL, and a GPU engine in the offload modes lost ab
 thread was busy (H100, the default model: layerwise decode 185 tok/s alone, 154 with the window drawing; chunked
 261 and 160) however little the window drew. In a process of its own the engine shares no GIL with the window.
 (Measured with tools/app_overhead.py on the H100: with full attention the window costs no measurable decode speed
-in any mode; with Quest in layerwise mode it still costs ~20%, cause not found: README, "Benchmarks".)
+in any mode; with Quest in the offload modes it still cost 12-22%, cause not found: docs/benchmarks.md, "With Quest".)
 
 `ProcessWorker` has the `EngineWorker`'s signals, slots, `drain()`, `turn_steps`, `engine_config`, `history`,
 `stop()` and `close_engine()` (`llm` is None here). Its slots, on the window's engine thread, send the request to
