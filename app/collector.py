@@ -6,7 +6,9 @@ run there, call back into Python for the GIL while holding Qt's object locks, an
 while it deletes another object, waits for one of those locks: both hang (seen in the test suite, with py-spy
 showing the engine thread in gc_collect_main under json.load inside the tokenizer's loading). So while a window
 runs, automatic collection is off and a timer on the GUI thread collects the generations whose thresholds were
-crossed, as the interpreter would have done. (pyqtgraph ships the same remedy.)
+crossed, as the interpreter would have done. (pyqtgraph ships the same remedy.) With the engine in a process of its
+own only the pipe's reader allocates here, and the timer ticks once a second (PROCESS_INTERVAL_MS): each tick wakes
+the GUI thread, ~0.3 ms of a core on the 2-core CPU, where the engine loses every time slice the window takes.
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import gc
 
 from PySide6.QtCore import QObject, QTimer
 
+THREAD_INTERVAL_MS = 200     # how often the timer collects what is due, with the engine on a thread of this process
+PROCESS_INTERVAL_MS = 1000   # ... and without one (see above)
 _users = 0           # windows using it: automatic collection comes back when the last one stops
 _was_enabled = True
 
 
 class GuiThreadCollector(QObject):
-    def __init__(self, parent: QObject | None = None, interval_ms: int = 200):
+    def __init__(self, parent: QObject | None = None, interval_ms: int = THREAD_INTERVAL_MS):
         global _users, _was_enabled
         super().__init__(parent)
         if _users == 0:

@@ -33,6 +33,22 @@ def test_the_engine_answers_from_its_own_process_and_its_steps_are_drawn(window,
     assert window.describe()["engine"]["model"] == str(default_model_dir)
 
 
+def test_an_idle_window_wakes_seldom_and_its_next_turn_is_drawn(window, qtbot, monkeypatch):
+    """Between turns the window's timers wake its GUI thread a few times a second at most (each wake-up is CPU the
+    engine of a 2-core machine loses); the next answer's steps are drawn as before."""
+    from app import telemetry
+    from app.collector import PROCESS_INTERVAL_MS
+    monkeypatch.setattr(telemetry, "IDLE_S", 0.3)
+    assert window.collector.timer.interval() == PROCESS_INTERVAL_MS       # no engine thread in this process
+    qtbot.waitUntil(lambda: window.telemetry.idle, timeout=5_000)
+    assert window.telemetry.timer.interval() == telemetry.IDLE_TICK_MS
+    answer = ask(qtbot, window, QUESTION)
+    steps = window.worker.turn_steps
+    assert "Bergen" in answer["text"]
+    assert [s.phase for s in steps].count("decode") == answer["stats"]["completion_tokens"] - 1
+    assert window.timeline.steps[-1].step == steps[-1].step                 # the turn's last step is on the timeline
+
+
 def test_unwatched_the_engine_records_nothing_and_the_views_keep_the_last_turn(window, qtbot):
     """View → Watch the engine off: the next answer comes as before with its stats, but the engine recorded no step
     (it ran as the command line runs it), and the views still show the turn before; on again, steps come back."""

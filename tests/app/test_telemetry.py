@@ -78,3 +78,31 @@ def test_under_a_budget_the_timer_wakes_only_as_often_as_draws_can_come(qapp, mo
     assert pump.timer.interval() == min(telemetry.MAX_TICK_MS, int(pump.interval_ms / 2))
     pump.set_budget(1.0)
     assert pump.timer.interval() == telemetry.TICK_MS and pump.interval_ms == telemetry.TICK_MS
+
+
+def test_with_nothing_arriving_the_timer_idles_until_steps_come_or_a_request_begins(qapp, monkeypatch):
+    """Between turns (or in a turn not watched) every tick wakes the GUI thread for nothing: after IDLE_S without a
+    step the timer ticks every IDLE_TICK_MS, under a budget or not; a step, or `wake()` (a request begins), brings the
+    working rate back, and no step waits for the idle tick after that."""
+    monkeypatch.setattr(telemetry, "IDLE_S", 0.05)
+    for budget in (1.0, 0.05):
+        pump, drawn = _pump(cost_s=0.0, budget=budget)
+        working = pump.timer.interval()
+        steps = pump._drain
+        pump._drain = lambda: []
+        for _ in range(3):
+            pump.tick()
+            time.sleep(0.03)
+        assert pump.idle and pump.timer.interval() == telemetry.IDLE_TICK_MS
+        pump._drain = steps                                # a watched turn's steps
+        pump.tick()
+        assert not pump.idle and pump.timer.interval() == working
+        pump._drain = lambda: []
+        for _ in range(3):
+            pump.tick()
+            time.sleep(0.03)
+        assert pump.idle
+        pump.wake()
+        assert not pump.idle and pump.timer.interval() == working
+        pump.flush()
+        assert drawn == list(range(len(drawn))) and drawn                 # (the steps that came were all drawn)
