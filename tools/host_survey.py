@@ -75,7 +75,7 @@ def main() -> int:
     for r in range(args.rounds):
         for cpu in args.cpus:
             out = subprocess.run([sys.executable, __file__, "--probe", str(cpu)], capture_output=True, text=True)
-            line = out.stdout.strip() or f"failed: {out.stderr.strip().splitlines()[-1:]}"
+            line = out.stdout.strip() or "failed: " + (out.stderr.strip().splitlines() or ["no output"])[-1]
             print(f"pass {r + 1}, CPU {cpu:3d}: {line}", flush=True)
     return 0
 
