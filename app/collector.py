@@ -23,7 +23,8 @@ _was_enabled = True
 
 
 class GuiThreadCollector(QObject):
-    def __init__(self, parent: QObject | None = None, interval_ms: int = THREAD_INTERVAL_MS):
+    def __init__(self, parent: QObject | None = None, engine_thread: bool = True):
+        """`engine_thread`: an engine runs on a thread of this process (else it runs in a process of its own)."""
         global _users, _was_enabled
         super().__init__(parent)
         if _users == 0:
@@ -32,7 +33,7 @@ class GuiThreadCollector(QObject):
         gc.disable()
         self._active = True
         self.collections = 0
-        self.timer = QTimer(self, interval=interval_ms)
+        self.timer = QTimer(self, interval=THREAD_INTERVAL_MS if engine_thread else PROCESS_INTERVAL_MS)
         self.timer.timeout.connect(self.collect_due)
         self.timer.start()
 

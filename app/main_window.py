@@ -38,7 +38,7 @@ from app.settings import restore_settings, save_settings
 from app.status import StatusBar
 from app.telemetry import TIGHT_RENDER_MS, TelemetryPump, gui_budget
 from app.views import VIEWS, ViewSpec, build_docks
-from app.collector import PROCESS_INTERVAL_MS, THREAD_INTERVAL_MS, GuiThreadCollector
+from app.collector import GuiThreadCollector
 from app.engine_process import ProcessWorker
 from app.replay import keep_turn, open_dropped_recordings
 from app.worker import EngineThread, EngineWorker
@@ -113,8 +113,7 @@ class MainWindow(QMainWindow):
         self._build_views()
         build_menus(self)
         self._default_state = self.saveState()
-        self.collector = GuiThreadCollector(    # before the engine's thread starts (see app/collector.py)
-            self, PROCESS_INTERVAL_MS if self.options.get("engine_process") else THREAD_INTERVAL_MS)
+        self.collector = GuiThreadCollector(self, not self.options.get("engine_process"))   # before the engine starts
         self._start_worker()
         traced = tuple(self.views[spec.name] for spec in self.view_specs if spec.telemetry)
         self.telemetry = TelemetryPump(self.worker.drain, traced, self._draw_steps, self.metrics.clear, parent=self)
