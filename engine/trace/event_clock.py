@@ -18,13 +18,13 @@ class EventClock:
         self.start = start
         self.spans: list[Span] = []
         self.slots: list[SlotState] = []
-        self._seen: dict[int, float] = {}
+        self._seen: dict[int, tuple[float, object]] = {}   # id -> (µs, the event: held, so its id is not reused)
 
     def _rel(self, ev) -> float:
         key = id(ev)
         if key not in self._seen:
-            self._seen[key] = self.start.elapsed_time(ev) * 1e3
-        return self._seen[key]
+            self._seen[key] = (self.start.elapsed_time(ev) * 1e3, ev)
+        return self._seen[key][0]
 
     def _read(self, pending: list, pending_slots: list, ready_only: bool) -> tuple[list, list]:
         """Read the records (those whose events have completed, with ready_only) -> the records left. A record

@@ -161,3 +161,35 @@ def test_cuda_event_timing_one_sync(monkeypatch):
     assert step.slots and step.t0_us <= step.slots[0].t_us <= step.t1_us + 1
     assert check_chrome_trace(to_chrome_trace([step])) == []
     del b, c
+
+
+def test_an_event_read_mid_step_and_freed_lends_its_time_to_no_later_event():
+    """The step's clock reads the records whose events completed while the step runs (`settle`). A copy's end event
+    is not the recorder's: once read it may be freed, and a new event can take its address. Every span must keep its
+    own events' times (a chunked prefill's MLP once ended after its layer, 3 ms later than it ran)."""
+    from engine.trace.event_clock import EventClock
+    Event, stream = FakeCuda.Event, FakeCuda.Stream(0)
+    start = Event(enable_timing=True)
+    start.record(stream)
+    clock = EventClock(start)
+    for i in range(20):                              # copies read while the step runs, then dropped by their owner
+        a, b = Event(enable_timing=True), Event(enable_timing=True)
+        a.record(stream)
+        time.sleep(0.0002)
+        b.record(stream)
+        assert clock.settle([("h2d", f"copy {i}", 0, 0, None, None, a, b)], []) == ([], [])
+        del a, b
+    time.sleep(0.002)
+    late = []
+    for i in range(20):                              # spans recorded later in the step, read at its end
+        a, b = Event(enable_timing=True), Event(enable_timing=True)
+        a.record(stream)
+        b.record(stream)
+        late.append(("compute", f"late {i}", 0, 0, None, None, a, b))
+    end = Event(enable_timing=True)
+    end.record(stream)
+    clock.finish(end, 0.0, late, [], None)
+    copies = [s for s in clock.spans if s.name.startswith("copy")]
+    later = [s for s in clock.spans if s.name.startswith("late")]
+    assert len(copies) == len(later) == 20
+    assert min(s.t0_us for s in later) >= max(s.t1_us for s in copies) + 1500   # 2 ms later, every one of them
