@@ -1,6 +1,6 @@
 """The engine with the app open vs without it, on the same turn: decode tok/s, time to first token, the GUI's refresh.
 
-    python tools/app_overhead.py [--runs 8] [--tokens 128] [--mode gpu] [--json out.json]
+    python tools/app_overhead.py [--runs 8] [--minutes M] [--tokens 128] [--mode gpu] [--json out.json]
 
 Without the app: a process of its own builds the LLM with the app's engine keyword arguments, warms it up as the CLI
 does, answers once (the document's KV then sits in the prefix cache, as in the window after its first turn), then
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,8 @@ class EngineOnly:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="start no round that would end past this many minutes of rounds (a machine lent for a while)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--mode", default=None, help="engine mode (default: the policy panel's default)")
     ap.add_argument("--policy", default=None, help="set in the policy panel before the first turn, as "
@@ -235,9 +238,15 @@ def main() -> int:
              unwatched_turn] + ([quiet_turn] if args.quiet_turn else [])
     if other is not None:
         turns.append(lambda: control.append(other.turn(True)))
+    start = time.monotonic()
     for i in range(args.runs):                                                 # the order rotates every round
         for k in range(len(turns)):
             turns[(i + k) % len(turns)]()
+        print(f"round {i + 1}: decode tok/s engine only {without[-1]['decode_tok_s']:.1f}, app {with_app[-1]['decode_tok_s']:.1f}, "
+              f"unwatched {unwatched[-1]['decode_tok_s']:.1f}", file=sys.stderr, flush=True)
+        if args.minutes and time.monotonic() - start > 60 * args.minutes * (i + 2) / (i + 1):
+            args.runs = i + 1                                                  # the next round would pass the limit
+            break
     alone.close()
     if other is not None:
         other.close()
