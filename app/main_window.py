@@ -259,7 +259,8 @@ class MainWindow(QMainWindow):
     @Slot(bool)
     def _on_busy(self, busy: bool) -> None:
         if busy:
-            self.telemetry.wake()             # its steps drawn at the working rate, not the idle one
+            if self.watch_action.isChecked():
+                self.telemetry.wake()         # its steps drawn at the working rate (unwatched, none come)
             if self.requests.begin():         # a question Stop was pressed for before it began
                 self.worker.stop()
             self.policy_panel.set_busy(self.requests.head == "ask")
