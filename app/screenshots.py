@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 
-def wait_until(app, condition, timeout_s: float, what: str, poll_ms: int = 50) -> None:
-    """Run the event loop until `condition()` holds (checked every `poll_ms`); TimeoutError after `timeout_s`."""
+def wait_until(app, condition, timeout_s: float, what: str, poll_ms: int = 50, wake=None) -> None:
+    """Run the event loop until `condition()` holds (checked every `poll_ms`, and whenever the GUI-thread signal
+    `wake` is emitted); TimeoutError after `timeout_s`."""
     from PySide6.QtCore import QEventLoop, QTimer
 
     loop = QEventLoop()
@@ -34,10 +35,14 @@ def wait_until(app, condition, timeout_s: float, what: str, poll_ms: int = 50) -
     timer = QTimer(interval=poll_ms)
     timer.timeout.connect(check)
     timer.start()
+    if wake is not None:
+        wake.connect(check)
     check()
     if not result["ok"]:
         loop.exec()
     timer.stop()
+    if wake is not None:
+        wake.disconnect(check)
     if not result["ok"]:
         raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
@@ -51,11 +56,12 @@ def settle(app, seconds: float) -> None:
 
 
 def ask_and_wait(app, window, question: str, timeout_s: float, poll_ms: int = 50) -> dict:
-    """Type `question` into the chat, send it, and wait for the answer to finish (checked every `poll_ms`: each
-    check wakes the GUI thread); returns its stats."""
+    """Type `question` into the chat, send it, and wait for the answer to finish (checked when the chat ends an
+    answer, and every `poll_ms`: each check wakes the GUI thread); returns its stats."""
     window.chat.input.setPlainText(question)
     window.chat.send_button.click()
-    wait_until(app, lambda: not window.chat.is_streaming() and not window.is_busy(), timeout_s, "the answer", poll_ms)
+    wait_until(app, lambda: not window.chat.is_streaming() and not window.is_busy(), timeout_s, "the answer", poll_ms,
+               wake=window.chat.answer_ended)
     settle(app, 0.5)
     last = window.chat.messages()[-1]
     if last["role"] != "assistant":

@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 QUESTION = "Summarise the document in detail, section by section."
-POLL_MS = 250   # how often a timed turn checks whether the answer ended: each check wakes the GUI thread, which on a
-#                 2-core CPU takes a time slice from the engine (a user's window has no such timer)
+POLL_MS = 2000  # a timed turn ends when the chat ends its answer (its signal); this check is the fallback. Each
+#                 check wakes the GUI thread, which on a 2-core CPU takes a time slice from the engine (a user's
+#                 window has no such timer: at 250 ms it was ~10 of an unwatched turn's ~40 wake-ups)
 
 ENGINE_ONLY = r"""
 import json, sys

@@ -47,6 +47,7 @@ class ChatView(QWidget):
 
     send_requested = Signal(str)
     stop_requested = Signal()
+    answer_ended = Signal()        # end_answer(): the streaming answer is complete (or stopped, or failed)
 
     MIN_RENDER_MS = 40     # re-render a streaming answer at most ~25 times a second ...
     MAX_RENDER_MS = 400    # ... and less often when a long answer takes long to lay out
@@ -204,6 +205,7 @@ class ChatView(QWidget):
         self._widgets[-1].set_stats(stats)
         self._streaming = False
         self._set_button()
+        self.answer_ended.emit()
 
     def show_error(self, text: str) -> None:
         """Show an error in red in the conversation; a streaming answer ends (keeping its text so far)."""

@@ -51,6 +51,24 @@ def test_answer_streams_in_and_the_button_reads_stop_then_send(chat, qtbot):
     assert chat.send_button.text() == "Send"
 
 
+def test_the_first_piece_shows_at_once_later_ones_at_the_render_interval_and_the_end_is_signalled(chat, qtbot):
+    """A streaming answer's first piece is drawn as it arrives (no timer's wake first); a piece soon after it waits
+    for the render interval; end_answer draws everything and emits answer_ended once."""
+    chat.set_min_render_ms(400)
+    chat.add_user_message("Summarise it")
+    chat.begin_answer()
+    body = chat.message_widget(-1).body
+    chat.append_text("First")
+    assert body.toPlainText().strip() == "First"                  # drawn now, before any event ran
+    chat.append_text(" second")
+    assert body.toPlainText().strip() == "First"                  # within the interval: later
+    qtbot.waitUntil(lambda: body.toPlainText().strip() == "First second", timeout=3000)
+    with qtbot.waitSignal(chat.answer_ended, timeout=1000):
+        chat.append_text(" third.")
+        chat.end_answer(STATS)
+    assert body.toPlainText().strip() == "First second third."
+
+
 def test_stats_line_shows_the_numbers(chat):
     chat.begin_answer()
     chat.append_text("ok")
