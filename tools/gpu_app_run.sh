@@ -30,13 +30,18 @@ timeout 600 $py -m app.screenshots "$out" --max-new-tokens 64 --timeout 180 2>&1
 echo "app.screenshots exit: $?"
 echo "== the same path as a test: a turn in each mode with each policy, switched from the panel (tests/gpu/test_window_gpu.py)"
 timeout 600 $py -m pytest -q -m gpu tests/gpu/test_window_gpu.py -p no:cacheprovider 2>&1 | tail -3
-echo "== the app's cost to the engine (medians of 8 interleaved rounds; decode, time to first token, the GUI's refresh)"
+# Rounds for APP_COST_MINUTES (default 4) per setting: the offload modes' turns on a GPU host spread widely, and ~90
+# rounds told the app's cost there to a few percent where 8-16 could not (docs/benchmarks.md, "Many rounds").
+minutes=${APP_COST_MINUTES:-4}
+pin=$([ "$(nproc)" -ge 6 ] && echo "--pin 3,4")      # the engine processes on two CPUs, the window on the others
+echo "== the app's cost to the engine (medians of interleaved rounds for $minutes min; decode, time to first token, the GUI's refresh)"
 for mode in gpu layerwise chunked; do
-  echo "-- $mode"; timeout 600 $py tools/app_overhead.py --runs 8 --tokens 64 --mode "$mode" 2>&1 | tail -3
+  echo "-- $mode"; $py tools/app_overhead.py --runs 1000 --minutes "$minutes" --tokens 64 --mode "$mode" $pin \
+    --control 2>&1 | grep -E "^engine in|^time to first|Watch the engine off|paired|^control"
 done
 echo "-- layerwise, Quest (budget 1024, sparse from 1024 tokens: the sample runs sparse; each step carries its picks)"
-timeout 600 $py tools/app_overhead.py --runs 8 --tokens 64 --mode layerwise \
-  --policy quest:min_context=1024:min_layer_mb=0:token_budget=1024 2>&1 | tail -3
+$py tools/app_overhead.py --runs 1000 --minutes "$minutes" --tokens 64 --mode layerwise $pin --control \
+  --policy quest:min_context=1024:min_layer_mb=0:token_budget=1024 2>&1 | grep -E "^engine in|^time to first|Watch the engine off|paired|^control"
 echo "== the app's engine process (watched, unwatched) against the CLI's engine, no window, pinned to CPU 3"
 for mode in layerwise chunked; do
   timeout 400 $py tools/engine_process_cost.py --mode "$mode" --rounds 8 --pin 3 2>&1 | tail -4
