@@ -20,9 +20,9 @@ line, and the next request starts a new child, which loads the last model and do
 The child's messages go out through a thread of its own (`app.outbox.Outbox`), so the engine never blocks on a full pipe
 while the window's process is slow to read it, in batches (at most one send per SEND_EVERY_S; steps wait for the
 next signal, at most HOLD_S), so that thread wakes, and takes the GIL from the engine's, at most ~50 times a second
-rather than once per step, and the window's process wakes with the text, not for every step besides it. Pickled per step: a step
-without a timeline ~10 µs, one with it 0.1-0.8 ms (10 per second at most, the live detail rate), under 1% of a GPU
-decode's time.
+rather than once per step, and the window's process wakes with the text, not for every step besides it. Pickled per
+step: a step without a timeline ~10 µs, one with it 0.1-0.8 ms (10 per second at most, the live detail rate), under
+1% of a GPU decode's time.
 """
 from __future__ import annotations
 

@@ -243,8 +243,9 @@ def main() -> int:
     for i in range(args.runs):                                                 # the order rotates every round
         for k in range(len(turns)):
             turns[(i + k) % len(turns)]()
-        print(f"round {i + 1}: decode tok/s engine only {without[-1]['decode_tok_s']:.1f}, app {with_app[-1]['decode_tok_s']:.1f}, "
-              f"unwatched {unwatched[-1]['decode_tok_s']:.1f}", file=sys.stderr, flush=True)
+        print(f"round {i + 1}: decode tok/s engine only {without[-1]['decode_tok_s']:.1f}, "
+              f"app {with_app[-1]['decode_tok_s']:.1f}, unwatched {unwatched[-1]['decode_tok_s']:.1f}",
+              file=sys.stderr, flush=True)
         if args.minutes and time.monotonic() - start > 60 * args.minutes * (i + 2) / (i + 1):
             args.runs = i + 1                                                  # the next round would pass the limit
             break
