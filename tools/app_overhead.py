@@ -85,8 +85,12 @@ def thread_clocks(pid: int) -> dict[int, tuple[int, int, int]]:
 
 
 def cpu_set(text: str) -> set[int]:
-    """"3" or "3,4" -> {3} or {3, 4} (--pin)."""
-    return {int(c) for c in text.split(",")}
+    """"3", "3,4" or "0-3,8" -> {3}, {3, 4} or {0, 1, 2, 3, 8} (--pin, and tools/host_survey.py's --cpus)."""
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def pin(pid: int, cpus: set[int]) -> None:

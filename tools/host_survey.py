@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from app_overhead import cpu_set   # (tools/ is the script's own folder on sys.path)
+
 MIB = 1 << 20
 
 
@@ -50,17 +52,9 @@ def probe() -> str:
             f"   launch {launch * 1e6:5.2f} us")
 
 
-def cpus(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpus", type=cpus, default=sorted(os.sched_getaffinity(0)))
+    ap.add_argument("--cpus", type=lambda text: sorted(cpu_set(text)), default=sorted(os.sched_getaffinity(0)))
     ap.add_argument("--rounds", type=int, default=1, help="passes over the CPUs (a CPU's speed may move between them)")
     ap.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)   # (the child: pinned, measures)
     args = ap.parse_args()
