@@ -94,7 +94,8 @@ class LayerwiseRunner(OffloadRunner):
             slot = buf if buf < N else None
             with (NULL_SPAN if marks else rec.span(COMPUTE, model.layer_names[l], l, slot=slot)):
                 for ev in oe.ready(buf):
-                    wait_on(ev, self.device, NULL_RECORDER if marks else rec, l, slot, stream=oe.compute)
+                    wait_on(ev, self.device, NULL_RECORDER if marks else rec, l, slot, stream=oe.compute,
+                            waited=oe.compute_waited)
                 if marks:                            # the wait, then the layer: three marks in all, one shared
                     began = rec.mark()
                     rec.add_event_span(COMPUTE, "wait for copy", mark, began, l, slot=slot)

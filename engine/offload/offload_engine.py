@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from engine.errors import OutOfMemoryError
-from engine.offload.streams import CopyStream, compute_done, wait_on
+from engine.offload.streams import CopyStream, WaitedFor, compute_done, wait_on
 from engine.trace.events import D2H, FREE, H2D, LOADING, READY
 from engine.trace.recorder import NULL_RECORDER, Recorder
 
@@ -66,6 +66,7 @@ class OffloadEngine:
         self.host_blocks, self.slot_blocks = host_blocks, slot_blocks
         self.recorder: Recorder = NULL_RECORDER   # the running step's (begin_step)
         self.compute = None                       # CUDA: the running step's compute stream (begin_step)
+        self.compute_waited = WaitedFor()         # ... and the events it waited for in this step
         self.host = self._allocate_host((num_layers, host_blocks, *self.block_shape))
         try:
             self.buffers = [torch.zeros((slot_blocks, *self.block_shape), dtype=dtype, device=device)
@@ -89,6 +90,7 @@ class OffloadEngine:
         self.versions: list[dict] = [{} for _ in range(num_layers)]   # per layer: host block -> times written
         self._rewrites = 0                  # bumped whenever a host block's version changes
         self._same: list = [None] * n       # buffer -> (rewrites, first, blocks) of the `load` it holds whole
+        self._plans: dict = {}              # (buffer, layer, first, blocks, rewrites) -> a whole load's copies, held
         self.layer_written: list = [None] * num_layers  # last offload into each layer's host blocks
         self.dbuf_read: list = [None] * num_layers      # last offload out of each layer's decode buffer
         self.h2d = CopyStream("h2d", H2D, device)
@@ -146,16 +148,17 @@ class OffloadEngine:
         """A step starts: the recorder it reports to, and (CUDA) its compute stream, looked up once."""
         self.recorder = recorder
         self.compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.compute_waited = WaitedFor()
 
     def load(self, buf: int, layer: int, host_blocks: list[int], first: int = 0, **trace) -> None:
         """Host blocks of `layer` -> buffer positions first, first+1, ... (H2D stream, async). Positions that
         already hold the current version of their block (a resident layer, a slot loaded before) are skipped."""
-        held, ver, n = self.held[buf], self.versions[layer], len(host_blocks)
+        held, ver, n, blocks = self.held[buf], self.versions[layer], len(host_blocks), tuple(host_blocks)
         same = self._same[buf]
         if self.owner[buf] == layer and same is not None and same[0] == self._rewrites and same[1] == first \
-                and same[2] == host_blocks:    # a resident layer at decode: held as loaded last time (no loop)
+                and same[2] == blocks:         # a resident layer at decode: held as loaded last time (no loop)
             return
-        self._same[buf] = (self._rewrites, first, list(host_blocks))
+        self._same[buf] = (self._rewrites, first, blocks)
         if self.owner[buf] == layer:           # some positions may hold these blocks already
             need = []
             for i, b in enumerate(host_blocks):
@@ -164,17 +167,14 @@ class OffloadEngine:
                     held[first + i] = key
                     need.append((first + i, b))
             runs = block_runs(need)
-        else:                                  # another layer's blocks (a ring slot): all of them, no lookups
-            self.owner[buf] = layer
-            held.clear()
-            held.update({first + i: (layer, b, ver.get(b, 0)) for i, b in enumerate(host_blocks)})
+            pairs = self._pairs(buf, layer, runs)
+        else:                                  # another layer's blocks (a ring slot): all of them, as planned before
             need = host_blocks
-            runs = block_runs(list(zip(range(first, first + n), host_blocks)))
+            self.owner[buf] = layer
+            pairs, self.held[buf] = self._whole_load(buf, layer, first, blocks)
         if not need:
             return
         rec = self.recorder
-        dst = self.buffers[buf]
-        pairs = [(dst[p:p + k], self.host[layer, b:b + k]) for p, b, k in runs]
         nbytes = len(need) * self.block_bytes
         slot = buf if buf < self.ring_slots else None
         ready = None
@@ -194,6 +194,26 @@ class OffloadEngine:
             rec.slot_state(slot, layer, LOADING, first * self.block_size, cap, event=self.h2d.last_start)
             rec.slot_state(slot, layer, READY, tokens, cap, event=self.loaded[buf])
         self.bytes_h2d += nbytes
+
+    def _pairs(self, buf: int, layer: int, runs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(buffer view, host view) per run of (first pos, first block, count)."""
+        dst = self.buffers[buf]
+        return [(dst[p:p + k], self.host[layer, b:b + k]) for p, b, k in runs]
+
+    def _whole_load(self, buf: int, layer: int, first: int, blocks: tuple) -> tuple[list, dict]:
+        """A whole load's copies and what the buffer then holds (a new dict), made once per (buffer, layer, blocks,
+        host writes): a decode step loads the same blocks of a layer into the same slot as the step before until a
+        block fills (every block_size steps), and making the views and the dict again each time was a third of
+        the layer's host time (layerwise decode on CUDA, where the host loop sets the pace of a small model)."""
+        key = (buf, layer, first, blocks, self._rewrites)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 4 * len(self.buffers) * self.L:    # stale ones (earlier lengths): start again
+                self._plans.clear()
+            ver = self.versions[layer]
+            pairs = self._pairs(buf, layer, block_runs(list(zip(range(first, first + len(blocks)), blocks))))
+            plan = self._plans[key] = (pairs, {first + i: (layer, b, ver.get(b, 0)) for i, b in enumerate(blocks)})
+        return plan[0], dict(plan[1])
 
     def load_rows(self, buf: int, layer: int, rows: torch.Tensor, moved: int | None = None, **trace) -> None:
         """Per-kv-head tokens of `layer` -> packed into the buffer: rows[h, j] (a host-pool token, block *
@@ -351,6 +371,7 @@ class OffloadEngine:
             self.synchronize()
         self.h2d.close()
         self.d2h.close()
+        self._plans.clear()               # (views of the pool)
         if getattr(self, "_registered", None) is not None:
             self._unpin()                 # cudaHostUnregister, once
             self._registered = None
