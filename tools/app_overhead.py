@@ -274,10 +274,15 @@ def main() -> int:
               "refresh": {k: statistics.median(r[k] for r in refresh) for k in refresh[0]}}
     d = result["decode_tok_s"]
     result["decode_slowdown"] = 1 - d["app"] / d["engine_only"]
+    paired_only = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(with_app, without)]
+    result["decode_paired_app_over_engine_only"] = statistics.median(paired_only)
     r = result["refresh"]
     print(f"engine {'on the window thread' if args.engine_thread else 'in its own process'}; decode tok/s: engine only {d['engine_only']:.2f} · traced as the app traces {d['engine_traced']:.2f} "
           f"({100 * (1 - d['engine_traced'] / d['engine_only']):.1f}% slower) · app open {d['app']:.2f} · slowdown "
           f"{100 * result['decode_slowdown']:.1f}% (median of {args.runs}, {args.tokens} tokens)")
+    print(f"  paired round by round, app / engine only decode: median {statistics.median(paired_only):.3f}x "
+          f"({min(paired_only):.2f}-{max(paired_only):.2f}; a host whose CPU runs at two speeds moves the medians "
+          "of each kind of turn apart, the turns of one round see the same host more often)")
     t = result["ttft_s"]
     print(f"time to first token (the document's KV in the prefix cache, the question new): engine only "
           f"{1e3 * t['engine_only']:.1f} ms · traced {1e3 * t['engine_traced']:.1f} ms · app open "
