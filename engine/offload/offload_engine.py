@@ -90,7 +90,7 @@ class OffloadEngine:
         self.versions: list[dict] = [{} for _ in range(num_layers)]   # per layer: host block -> times written
         self._rewrites = 0                  # bumped whenever a host block's version changes
         self._same: list = [None] * n       # buffer -> (rewrites, first, blocks) of the `load` it holds whole
-        self._plans: dict = {}              # (buffer, layer, first, blocks, rewrites) -> a whole load's copies, held
+        self._plans: dict = {}              # (buffer, layer) -> its last whole load's copies and what it held
         self.layer_written: list = [None] * num_layers  # last offload into each layer's host blocks
         self.dbuf_read: list = [None] * num_layers      # last offload out of each layer's decode buffer
         self.h2d = CopyStream("h2d", H2D, device)
@@ -201,19 +201,18 @@ class OffloadEngine:
         return [(dst[p:p + k], self.host[layer, b:b + k]) for p, b, k in runs]
 
     def _whole_load(self, buf: int, layer: int, first: int, blocks: tuple) -> tuple[list, dict]:
-        """A whole load's copies and what the buffer then holds (a new dict), made once per (buffer, layer, blocks,
-        host writes): a decode step loads the same blocks of a layer into the same slot as the step before until a
-        block fills (every block_size steps), and making the views and the dict again each time was a third of
-        the layer's host time (layerwise decode on CUDA, where the host loop sets the pace of a small model)."""
-        key = (buf, layer, first, blocks, self._rewrites)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= 4 * len(self.buffers) * self.L:    # stale ones (earlier lengths): start again
-                self._plans.clear()
+        """A whole load's copies and what the buffer then holds (a new dict), kept per (buffer, layer) while its
+        blocks and the host's writes stay the same: a decode step loads the same blocks of a layer into the same slot
+        as the step before until a block fills (every block_size steps), and making the views and the dict again
+        each time was a third of the layer's host time (layerwise decode on CUDA, where the host loop sets the pace
+        of a small model)."""
+        plan = self._plans.get((buf, layer))
+        if plan is None or plan[0] != (first, blocks, self._rewrites):
             ver = self.versions[layer]
             pairs = self._pairs(buf, layer, block_runs(list(zip(range(first, first + len(blocks)), blocks))))
-            plan = self._plans[key] = (pairs, {first + i: (layer, b, ver.get(b, 0)) for i, b in enumerate(blocks)})
-        return plan[0], dict(plan[1])
+            plan = self._plans[buf, layer] = ((first, blocks, self._rewrites), pairs,
+                                              {first + i: (layer, b, ver.get(b, 0)) for i, b in enumerate(blocks)})
+        return plan[1], dict(plan[2])
 
     def load_rows(self, buf: int, layer: int, rows: torch.Tensor, moved: int | None = None, **trace) -> None:
         """Per-kv-head tokens of `layer` -> packed into the buffer: rows[h, j] (a host-pool token, block *
