@@ -47,6 +47,7 @@ class RingView(TracePlot):
             self.plot.addItem(self._fills[state])
 
         self.table = QTableWidget(0, 4)
+        self._table_rows: list[tuple] = []      # the cells' texts as last set
         self.table.setHorizontalHeaderLabels(["slot", "layer", "state", "fill"])
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -164,16 +165,28 @@ class RingView(TracePlot):
         return {slot: rec.layer for slot, rec in self.latest_slots().items()}
 
     def _fill_table(self) -> None:
-        latest = self.latest_slots()
-        self.table.setRowCount(len(latest))
-        for row, (slot, rec) in enumerate(latest.items()):
+        """The latest state of each slot, one row each; the cells are set only where their text changed (most
+        steps at GPU speed carry no slot records: the table then stays as it is, and Qt repaints nothing)."""
+        rows = []
+        for slot, rec in self.latest_slots().items():
             fill = f"{rec.tokens}/{rec.capacity}" if rec.capacity else str(rec.tokens)
-            cells = [str(slot), "—" if rec.layer is None else str(rec.layer), rec.state, fill]
+            rows.append((str(slot), "—" if rec.layer is None else str(rec.layer), rec.state, fill))
+        if rows == self._table_rows:
+            return
+        self._table_rows = rows
+        self.table.setRowCount(len(rows))
+        for row, cells in enumerate(rows):
             for col, text in enumerate(cells):
-                item = QTableWidgetItem(text)
+                item = self.table.item(row, col)
+                if item is not None and item.text() == text:
+                    continue
+                if item is None:
+                    item = QTableWidgetItem(text)
+                    self.table.setItem(row, col, item)
+                else:
+                    item.setText(text)
                 if col == 2:
-                    item.setForeground(QColor(STATE_COLORS.get(rec.state, "#7F7F7F")))
-                self.table.setItem(row, col, item)
+                    item.setForeground(QColor(STATE_COLORS.get(text, "#7F7F7F")))
 
     def table_layers(self) -> dict[int, str]:
         """slot -> the layer cell of the table, as the user reads it."""

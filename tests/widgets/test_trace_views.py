@@ -242,6 +242,28 @@ def test_ring_view_has_a_row_per_slot_and_the_latest_layers(qtbot, layerwise_ste
     assert f"slot {rec.slot}" in text and rec.state in text and f"{rec.tokens}/{rec.capacity}" in text
 
 
+def test_ring_table_follows_each_step_and_a_step_without_slot_states_leaves_it_alone(qtbot, layerwise_steps):
+    """Steps one at a time, as the pump draws them: the table shows each slot's latest layer and state after every
+    step; a step that recorded no slot states (most decode steps at GPU speed) changes no cell."""
+    import dataclasses
+    view = _shown(qtbot, RingView())
+    latest = {}
+    for step in [s for s in layerwise_steps if s.slots]:
+        view.append_steps([step])
+        for rec in step.slots:
+            latest[rec.slot] = rec
+        assert view.table_layers() == {slot: str(rec.layer) for slot, rec in latest.items()}
+        assert [view.table.item(r, 2).text() for r in range(view.table.rowCount())] == \
+            [rec.state for _, rec in sorted(latest.items())]
+    items = [view.table.item(r, c) for r in range(view.table.rowCount()) for c in range(4)]
+    texts = [i.text() for i in items]
+    bare = dataclasses.replace(layerwise_steps[-1], step=layerwise_steps[-1].step + 1, spans=[], slots=[],
+                               detailed=False)
+    view.append_steps([bare])
+    after = [view.table.item(r, c) for r in range(view.table.rowCount()) for c in range(4)]
+    assert all(a is b for a, b in zip(after, items)) and [i.text() for i in after] == texts
+
+
 def test_gpu_mode_has_no_ring_and_says_so(qtbot, gpu_steps):
     view = _shown(qtbot, RingView())
     view.set_steps(gpu_steps)
