@@ -32,6 +32,7 @@ from functools import partial
 
 from PySide6.QtCore import Slot
 
+from app import pyside_guard
 from app.outbox import Outbox
 from app.worker import EngineWorker, WorkerBase
 
@@ -58,6 +59,7 @@ class SharedFlag:
 def serve(conn, cancel: SharedFlag) -> None:
     """The child's main loop: (request, args) in, signals and steps out, then ("done", state) per request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the window's: it closes this process in order
+    pyside_guard.install()                             # its signals lose references too (app/pyside_guard.py)
     worker = EngineWorker()
     worker._cancel = cancel
     out = worker.telemetry = Outbox(conn)
@@ -79,6 +81,7 @@ def serve(conn, cancel: SharedFlag) -> None:
                               "document": str(worker.document.path) if worker.document is not None else None,
                               "backlog": out.backlog}))
             out.backlog = 0
+            pyside_guard.top_up()
     finally:
         worker.close_engine()                              # the disk tier's writes finish, pinned memory freed
         out.put(("closed", None))

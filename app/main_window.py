@@ -117,6 +117,7 @@ class MainWindow(QMainWindow):
         self._start_worker()
         traced = tuple(self.views[spec.name] for spec in self.view_specs if spec.telemetry)
         self.telemetry = TelemetryPump(self.worker.drain, traced, self._draw_steps, self.metrics.clear, parent=self)
+        self.telemetry.timer.timeout.connect(pyside_guard.top_up)   # PySide6's lost references back (Python 3.11)
         self.telemetry.start()
         restore_settings(self)
         if self.options.get("autostart", True):
@@ -386,6 +387,7 @@ class MainWindow(QMainWindow):
     def shutdown(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
         """Stop any answer, end the worker's thread and wait for it (bounded); True when the thread finished."""
         self.telemetry.stop()
+        pyside_guard.top_up()
         self.worker.stop()
         self.thread.quit()                    # requests still queued are dropped
         finished = self.thread.wait(timeout_ms)

@@ -102,6 +102,7 @@ class TimelineView(TracePlot):
         super().__init__([LANE_TITLES[lane] for lane in LANES], max_steps, "timeline", parent)
         self.summary: TraceSummary | None = None
         self._bars: dict[str, pg.BarGraphItem] = {}
+        self._drawn: dict[str, list] = {}       # kind -> the steps' bar arrays it shows (held: `is` compares them)
         for kind, color in KIND_COLORS.items():
             item = pg.BarGraphItem(x0=[], x1=[], y0=[], height=[], brush=color, pen=pg.mkPen(color, width=1))
             self.plot.addItem(item)
@@ -151,6 +152,10 @@ class TimelineView(TracePlot):
         empty = np.zeros((0, 4))
         for kind, item in self._bars.items():
             parts = [bars.rects[kind] for _, bars in self._history if kind in bars.rects]
+            drawn = self._drawn.get(kind)
+            if drawn is not None and len(drawn) == len(parts) and all(a is b for a, b in zip(drawn, parts)):
+                continue             # the same steps' bars of this kind (steps without a timeline add none)
+            self._drawn[kind] = parts
             a = np.concatenate(parts) if parts else empty
             item.setOpts(x0=a[:, 0], x1=a[:, 1], y0=a[:, 2], height=a[:, 3])
         if not self._history:

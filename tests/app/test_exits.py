@@ -50,6 +50,26 @@ if __name__ == "__main__":
     print("closed")
 """
 
+DRAWS = r"""
+import sys, dataclasses, pickle
+from PySide6.QtWidgets import QApplication
+from app import pyside_guard
+from widgets.timeline_view import TimelineView
+steps, mode = pickle.load(open(sys.argv[1], "rb")), sys.argv[2]
+if mode != "bare":
+    pyside_guard.install(reserve=10_000)
+app = QApplication([])
+view = TimelineView()
+view.resize(1000, 320)
+view.show()
+for i in range(2000):                  # a live view's draws: each loses 50-200 references to None (PySide6 6.12)
+    view.append_steps([dataclasses.replace(steps[i % len(steps)], step=i)])
+    app.processEvents()
+    if mode == "top-up":
+        pyside_guard.top_up()
+print("drawn")
+"""
+
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -71,3 +91,34 @@ def test_the_window_with_its_engine_process_exits_cleanly_after_turns(default_mo
     out = _run(WINDOW, str(default_model_dir))
     assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-2000:]
     assert "Fatal Python error" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_view_drawn_for_long_keeps_running_when_the_guard_tops_up(default_model_dir, tmp_path):
+    """The window tops the references up at every tick of its pump (app/pyside_guard.py); the reserve alone runs
+    out after enough draws (a long session), and without the guard a few hundred draws are enough. The steps are a
+    real layerwise turn's (its prefill and first decode step with their timelines, the rest without, as at GPU
+    speed)."""
+    import dataclasses
+    import pickle
+
+    from engine import LLM, SamplingParams
+    from engine.trace import TraceRecorder
+    llm = LLM(str(default_model_dir), device="cpu", mode="layerwise", max_model_len=512)
+    llm.recorder = rec = TraceRecorder(max_steps=64, device=llm.device)
+    seq = llm.add_request(list(range(100, 300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    while not seq.is_finished:
+        llm.step()
+    llm.close()
+    steps = [s if i < 2 else dataclasses.replace(s, spans=s.spans[:1], slots=[], detailed=False)
+             for i, s in enumerate(x for x in rec.steps if x.phase in ("prefill", "decode"))]
+    path = tmp_path / "steps.pkl"
+    path.write_bytes(pickle.dumps(steps))
+    kept = _run(DRAWS, str(path), "top-up")
+    assert kept.returncode == 0 and "drawn" in kept.stdout, kept.stderr[-2000:]
+    assert "Fatal Python error" not in kept.stderr
+    if sys.version_info < (3, 12):                 # None is immortal from 3.12 on: nothing to show there
+        for mode in ("reserve", "bare"):
+            out = _run(DRAWS, str(path), mode)
+            if out.returncode == 0:
+                pytest.skip("this PySide6 or pyqtgraph no longer drops references to None while drawing")
+            assert "_dealloc" in out.stderr, (mode, out.stderr[-2000:])   # none_dealloc (or bool_dealloc)
