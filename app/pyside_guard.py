@@ -26,14 +26,13 @@ _reserve: list = []
 _floor: dict[int, int] = {}           # id(obj) -> its reference count after install()
 _KEPT = (None, True, False)
 _incref = ctypes.pythonapi.Py_IncRef  # (the GIL stays held in the call: no other thread's count change is lost)
-_incref.argtypes = [ctypes.py_object]
 
 
 def install(reserve: int = RESERVE) -> None:
     """Idempotent; a no-op where `True`, `False` and `None` are immortal (Python >= 3.12)."""
     if sys.version_info < (3, 12) and not _reserve:
         _reserve.extend(list(_KEPT) * reserve)
-        _incref(_reserve)                                          # never freed, not even at exit
+        _incref(ctypes.py_object(_reserve))                        # never freed, not even at exit
         _floor.update({id(obj): sys.getrefcount(obj) for obj in _KEPT})
 
 
@@ -44,7 +43,8 @@ def top_up() -> int:
     given = 0
     for obj in _KEPT:
         missing = _floor.get(id(obj), 0) - sys.getrefcount(obj)
+        ref = ctypes.py_object(obj)
         for _ in range(missing):
-            _incref(obj)
+            _incref(ref)
         given += max(0, missing)
     return given
