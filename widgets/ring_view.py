@@ -48,6 +48,7 @@ class RingView(TracePlot):
 
         self.table = QTableWidget(0, 4)
         self._table_rows: list[tuple] = []      # the cells' texts as last set
+        self._drawn: dict[str, np.ndarray] = {}  # state -> its bars as last set (x0, x1, row, fill)
         self.table.setHorizontalHeaderLabels(["slot", "layer", "state", "fill"])
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -138,6 +139,10 @@ class RingView(TracePlot):
         x0, x1 = iv["t"] / 1e3, iv["t1"] / 1e3
         for i, state in enumerate(SLOT_STATES):
             m = iv["state"] == i
+            bars = np.stack([x0[m], x1[m], iv["row"][m], fill_h[m]])
+            if self._drawn.get(state) is not None and np.array_equal(self._drawn[state], bars):
+                continue        # (a step without slot states moves only the slots' last intervals' ends)
+            self._drawn[state] = bars
             self._tracks[state].setOpts(x0=x0[m], x1=x1[m], y0=iv["row"][m] - 0.4, height=np.full(m.sum(), 0.8))
             self._fills[state].setOpts(x0=x0[m], x1=x1[m], y0=iv["row"][m] + 0.4 - fill_h[m], height=fill_h[m])
         self._fill_table()
