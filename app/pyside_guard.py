@@ -1,9 +1,9 @@
 """A guard against a reference-count bug in PySide6 (seen in 6.12.0): an emit drops references it never took to
 `True` (a Signal(bool) emitting True, True inside a Signal(object) or Signal(dict) argument: one per emit,
-connected or not) and to `None` (one per None value in a Signal(dict) argument delivered to a slot), and so does
-drawing: pyqtgraph's items call Qt methods that return nothing (`QTransform.setMatrix` in `pixelVectors`, on every
-bounding-box query), and each such call drops one reference to None (a live view's draw and paint: ~200 of them;
-the window at an H200's pace: ~370 a turn). On Python 3.11 these are ordinary objects: once a count reaches zero
+connected or not) and to `None` (one per None value in a Signal(dict) argument delivered to a slot), and every
+call from Python of a Qt method that returns nothing (`setText`, `setVisible`, `processEvents`, ...) drops one
+reference to None. Drawing makes many: pyqtgraph calls `QTransform.setMatrix` on every bounding-box query (a live
+view's draw and paint: 50-200; the window at an H200's pace: ~370 a turn). On Python 3.11 these are ordinary objects: once a count reaches zero
 the interpreter aborts ("Fatal Python error: bool_dealloc: deallocating True or False", "none_dealloc: deallocating
 None"), at exit or mid-session. The window's process runs no torch, so None and True have only tens of thousands of
 references there: a bare process aborted after ~400 draws of one view, and a window died at exit after a few turns.
