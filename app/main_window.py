@@ -55,7 +55,7 @@ if TYPE_CHECKING:   # the views' classes, for the attributes below
     from widgets.ring_view import RingView
     from widgets.timeline_view import TimelineView
 
-pyside_guard.install()   # PySide6 drops a reference to True at every emit of it (app/pyside_guard.py)
+pyside_guard.install()   # PySide6 drops references to True and None (app/pyside_guard.py): given back at every pump tick
 
 CLOSE_WAIT_MS = 30000   # closing waits this long for the worker (a model load cannot be interrupted)
 
