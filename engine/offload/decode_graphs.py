@@ -58,14 +58,28 @@ class DecodeGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self._warm: set[tuple] = set()
+        self.inline = False    # True while a whole step is captured: bodies run as they are, no replay, no staging
 
     def begin_token(self, token: int, position: int) -> None:
         """A new decode step from its token and position: one small copy through a pinned row, then one replay
         makes the static inputs (the token's embedding, a zero residual, rotary cos/sin), in place of ~15 launches
         from Python at the start of every step (measured on an H100's host: ~0.4 ms with the GPU idle)."""
+        self.set_token(token, position)
+        self._replay(INPUTS)
+
+    def set_token(self, token: int, position: int) -> None:
+        """The step's token and position -> `token_pos` on the device (one small copy through a pinned row)."""
         row = self._stage((token, position, 0, 0))
         self.token_pos.copy_(row[:2], non_blocking=True)
-        self._replay(INPUTS)
+
+    def inputs_from_position(self, block_size: int) -> None:
+        """A whole step's graph starts here (engine/offload/step_graphs.py): the static inputs from `token_pos`,
+        and the whole-block layout's meta row from the position alone (the new token at block p // bs, offset
+        p % bs, p + 1 tokens attended, offset p % bs of the decode buffer), so that no row is staged per layer."""
+        self._inputs()
+        p = self.token_pos[1:]
+        self.meta[0].copy_(torch.cat([p // block_size, p % block_size, p + 1, p % block_size]))
+        self._meta_now[0] = None
 
     def _stage(self, values: tuple[int, int, int, int]) -> torch.Tensor:
         i = self._next_row
@@ -88,7 +102,10 @@ class DecodeGraphs:
         may return, (tag, fn) with fn over static tensors that tag names (a correction's gather: the policy's
         tensors, new when the policy is), runs first in the attention's graph.
         -> q [1, Hq, D] (static)."""
-        self._set_meta(v, meta)
+        if self.inline:      # inside a step graph's capture: meta[0] comes from the position (inputs_from_position)
+            assert v == 0 and between is None, "a step graph holds whole-block layers only"
+        else:
+            self._set_meta(v, meta)
         if between is None:
             self._replay((layer, buf, v, "all"))
             return self.q
@@ -103,6 +120,9 @@ class DecodeGraphs:
     def _replay(self, key: tuple, work: Callable[[], None] | None = None) -> None:
         graph = self.graphs.get(key)
         body = self._inputs if key == INPUTS else lambda: self._body(*key[:4], work)
+        if self.inline:      # recorded into the step's graph instead (a graph cannot be replayed inside a capture)
+            body()
+            return
         if graph is None and key not in self._warm:   # first time: eager (compiles what the capture will record)
             self._warm.add(key)
             body()

@@ -21,6 +21,7 @@ from engine.ops.attention import decode_attention, store_kv
 from engine.offload.decode_graphs import DecodeGraphs
 from engine.offload.planner import ResidencyPlan, plan_residency
 from engine.offload.runner import OffloadRunner
+from engine.offload.step_graphs import StepGraphs
 from engine.offload.streams import wait_on
 from engine.sequence import Sequence
 from engine.step import StepContext
@@ -44,6 +45,7 @@ class LayerwiseRunner(OffloadRunner):
         self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.chunk_tokens, oe.dbuf)
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key) if by rows
+        self.step_graphs = StepGraphs(self)
         return oe
 
     def set_policy(self, policy) -> None:
@@ -52,6 +54,7 @@ class LayerwiseRunner(OffloadRunner):
         super().set_policy(policy)
         if getattr(self, "plan", None) is None:     # (while the runner is being made)
             return
+        self.step_graphs.clear()
         cfg = self.config
         plan = plan_residency(self.args.num_layers, cfg.ring_slots, self.plan.layer_bytes, self.plan.dbuf_bytes,
                               self.plan.budget_bytes, self.policy.whole_layers())
@@ -63,23 +66,41 @@ class LayerwiseRunner(OffloadRunner):
                 oe.held[b], oe.owner[b], self._packed[b] = {}, None, None
             self.plan, self.streamed = plan, plan.streamed
 
+    def close(self) -> None:
+        self.step_graphs.clear()
+        super().close()
+
     def _buffer(self, layer: int) -> int:
         j = self.streamed.index(layer) if layer not in self.oe.resident else 0
         return self.oe.buffer_for(layer, self._steps * len(self.streamed) + j)
 
     def forward(self, seq: Sequence, is_prefill: bool, ctx: StepContext) -> torch.Tensor:
+        graphs = None if is_prefill else self.decode_graphs
+        if graphs is not None and self.step_graphs.run(seq, ctx):   # the whole step, one graph replay
+            n = len(self.model.layers)
+            ctx.layer_done(n, n)
+            self._steps += 1
+            return self._logits(graphs.h, graphs.residual, ctx)
+        start, end = (seq.num_cached_tokens if is_prefill else len(seq) - 1), len(seq)
+        if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
+            graphs.begin_token(seq.token_ids[-1], start)
+            inputs = graphs.h, graphs.residual, None, None, None
+        else:
+            h, residual, pos, cos_sin = self._inputs(seq, start, end)
+            inputs = h, residual, pos, cos_sin, torch.stack([pos // self.block_size, pos % self.block_size])
+        self._layers(seq, is_prefill, ctx, graphs, *inputs)
+        self._steps += 1
+        return self._logits(inputs[0], inputs[1], ctx)
+
+    def _layers(self, seq: Sequence, is_prefill: bool, ctx: StepContext, graphs: DecodeGraphs | None,
+                h: torch.Tensor, residual: torch.Tensor, pos, cos_sin, slots, ahead: bool = True) -> None:
+        """The step's loads and every layer's compute (what a step graph records, engine/offload/step_graphs.py);
+        `ahead`: and the next decode step's first loads (a step graph issues those after its replay)."""
         oe, bs, rec, model, policy = self.oe, self.block_size, ctx.recorder, self.model, self.policy
         start = seq.num_cached_tokens if is_prefill else len(seq) - 1
         end = len(seq)
         n_host, n_done = start // bs, end // bs      # complete blocks before / after this step
         table = seq.block_table
-        graphs = None if is_prefill else self.decode_graphs
-        if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
-            graphs.begin_token(seq.token_ids[-1], start)
-            h, residual, pos, cos_sin, slots = graphs.h, graphs.residual, None, None, None
-        else:
-            h, residual, pos, cos_sin = self._inputs(seq, start, end)
-            slots = torch.stack([pos // bs, pos % bs])
         observe = policy.plans_loads       # each layer's last query (at prefill the prompt's: the first choice)
         S, N = len(self.streamed), oe.ring_slots
         marks = rec.detail and self.device.type == "cuda"   # CUDA timeline: layers share their boundary marks
@@ -150,10 +171,8 @@ class LayerwiseRunner(OffloadRunner):
                 if q_last is not None:
                     policy.observe_query(l, q_last, ctx)
             if buf < N:
-                self._prefetch(seq, self.streamed.index(l), n_host, n_done, is_prefill, ctx)
+                self._prefetch(seq, self.streamed.index(l), n_host, n_done, is_prefill, ctx, ahead)
             ctx.layer_done(l + 1, len(model.layers))
-        self._steps += 1
-        return self._logits(h, residual, ctx)
 
     def _slot_of(self, pos: torch.Tensor, end: int, new: tuple[int, int]) -> torch.Tensor:
         """The new token's (block, offset) in a packed buffer as a device tensor [2, 1], made from its position on
@@ -267,14 +286,23 @@ class LayerwiseRunner(OffloadRunner):
         self.oe.load_rows(buf, layer, plan.rows, plan.moved)
         self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key)
 
-    def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool, ctx: StepContext) -> None:
-        """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or the next one)."""
+    def prefetch_next(self, seq: Sequence, ctx: StepContext) -> None:
+        """The next decode step's first loads, into the slots of this step's last streamed layers (after a step
+        graph's replay, which leaves them out: issued from here they overlap the sampling and the next launch)."""
+        S, N, n = len(self.streamed), self.oe.ring_slots, (len(seq) - 1) // self.block_size
+        for j in range(max(0, S - N), S):
+            self._prefetch(seq, j, n, n, False, ctx)
+
+    def _prefetch(self, seq, j: int, n_host: int, n_done: int, is_prefill: bool, ctx: StepContext,
+                  ahead: bool = True) -> None:
+        """Slot of streamed layer j is free: load streamed layer j + N into it (this step, or, with `ahead`, the
+        next one)."""
         S, N = len(self.streamed), self.oe.ring_slots
         nxt = j + N
         if nxt < S:  # this step's: dense in a prefill (a stale selection must not leak into it)
             layer, blocks, k, prefill, length = self.streamed[nxt], seq.block_table[:n_host], self._steps, \
                 is_prefill, len(seq)
-        elif not is_prefill and len(seq) < self.max_model_len:         # the next decode step's layers
+        elif ahead and not is_prefill and len(seq) < self.max_model_len:   # the next decode step's layers
             layer, blocks, k, prefill, length = self.streamed[nxt - S], seq.block_table[:n_done], self._steps + 1, \
                 False, len(seq) + 1
         else:

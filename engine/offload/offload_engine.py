@@ -347,6 +347,27 @@ class OffloadEngine:
         if rec.detail and buf < self.ring_slots:
             rec.slot_state(buf, layer, FREE, tokens, self.capacity_tokens, event=event)
 
+    # ---------------------------------------------------------------- whole-step graphs (step_graphs.py)
+    def pending(self) -> list:
+        """Every copy event a step may have to wait for: loads, offloads, fetches ahead."""
+        return [e for e in (*self.loaded, *self.read, *self.dbuf_read, *self.layer_written, *self._ahead.values())
+                if e is not None]
+
+    def holdings(self) -> list[tuple]:
+        """What each buffer holds, as (owner layer, {position: (layer, host block, version)}, whole-load key)."""
+        return [(o, dict(h), s) for o, h, s in zip(self.owner, self.held, self._same)]
+
+    def hold(self, holdings: list[tuple], done) -> None:
+        """The buffers hold `holdings`, and every copy and compute so far ended at `done` (a compute-stream event
+        recorded after a step graph's replay; None: nothing is pending, after a device sync)."""
+        for b, (o, h, s) in enumerate(holdings):
+            self.owner[b], self.held[b], self._same[b] = o, dict(h), s
+        self.loaded = [None if e is None else done for e in self.loaded]
+        self.free = [done] * len(self.free)
+        self.read = [None] * len(self.read)
+        self.dbuf_read = [None] * self.L
+        self.layer_written = [None] * self.L
+
     def host_written(self, host_blocks: list[int]) -> None:
         """These host blocks were written from outside (the disk tier): a buffer holding an older version of one
         of them loads it again."""

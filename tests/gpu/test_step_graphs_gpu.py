@@ -1,0 +1,83 @@
+"""Layerwise decode steps recorded and replayed as whole CUDA graphs (engine/offload/step_graphs.py), on CUDA."""
+import pytest
+import torch
+
+from bench.shapes import shape_config
+from engine import LLM, SamplingParams
+from engine.trace import TraceRecorder
+from engine.trace.events import COMPUTE, H2D
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BS = 256
+
+
+def _answers(llm, prompts, steps, recorder=None):
+    llm.recorder = recorder
+    try:
+        out = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+    finally:
+        llm.recorder = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The default model's shape, random weights, fp32 (greedy tokens comparable step for step), ring of 3."""
+    with LLM(shape=shape_config("smollm2-135m"), dtype="float32", max_model_len=2048, mode="layerwise",
+             kv_block_size=BS, ring_slots=3) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 49000, (n,), generator=g).tolist() for n in (600, 300)]
+
+
+def test_replayed_steps_answer_as_eager_ones_across_block_boundaries(llm, prompts):
+    """300 answer tokens after a 600-token prompt fill blocks at 768 and 1024 (and the 300-token prompt's at 512): the
+    tokens and each step's bytes are those of the eager steps, and most steps were replays."""
+    sg = llm.runner.step_graphs
+    sg.enabled = False
+    eager = _answers(llm, prompts, 300)
+    eager_bytes = llm.runner.last_step_bytes
+    sg.enabled, sg.replays, sg.captures = True, 0, 0
+    sg.clear()
+    got = _answers(llm, prompts, 300)
+    assert got == eager
+    assert llm.runner.last_step_bytes == eager_bytes
+    assert sg.captures >= 4 and sg.replays >= 2 * 300 - 6 * 3, (sg.captures, sg.replays)
+    print(f"\nstep graphs: {sg.captures} recorded, {sg.replays} replays of {2 * 300} decode steps")
+
+
+def test_a_new_request_over_the_same_blocks_replays_only_once_the_ring_is_steady(llm, prompts):
+    """A second request whose blocks and length class repeat: its first decode step follows a prefill, whose ring
+    holds other layers, so it runs eagerly; the graph recorded by the first request serves the steps after it."""
+    sg = llm.runner.step_graphs
+    sg.enabled = True
+    first = _answers(llm, prompts[:1], 40)
+    captures = sg.captures
+    second = _answers(llm, prompts[:1], 40)
+    assert second == first
+    assert sg.captures == captures              # nothing recorded again: the same blocks, the same graphs
+
+
+def test_detailed_steps_run_eagerly_between_replays_and_keep_their_timeline(llm, prompts):
+    """The app's recorder (a timeline a few times a second): its detailed decode steps carry every layer's compute
+    and loads; the steps between them are replays; the answer is the untraced one."""
+    sg = llm.runner.step_graphs
+    plain = _answers(llm, prompts[:1], 120)
+    replays = sg.replays
+    rec = TraceRecorder(max_steps=512, device=llm.device, detail_hz=50.0)   # every ~20 ms
+    traced = _answers(llm, prompts[:1], 120, rec)
+    assert traced == plain
+    assert sg.replays > replays
+    decodes = [s for s in rec.steps if s.phase == "decode"]
+    detailed = [s for s in decodes if s.detailed]
+    assert 0 < len(detailed) < len(decodes)
+    for s in detailed[1:]:
+        layers = {sp.layer for sp in s.lane_spans(COMPUTE) if sp.name.startswith("layer ")}
+        assert layers == set(range(llm.args.num_layers))
+        assert s.lane_spans(H2D)
+    print(f"\ntraced: {len(detailed)} detailed of {len(decodes)} decode steps, {sg.replays - replays} replays")
