@@ -13,8 +13,8 @@ of host time on the H200, against 1.3 ms for per-layer replays with eager copies
 A step qualifies (`key`) when it is a decode step with no timeline recorded (a detailed step records each layer's
 spans: it runs eagerly), under a policy that does not plan loads (Quest's pages change every step), with no block
 filling in it or before it (offloads stay eager) and the next step's loads to make. It is recorded on the second
-step alike in a row (the first, eager, leaves the ring as every later one finds it) and replayed while the buffers
-hold what they held when it was recorded, in the host blocks' current version (else it is recorded again). The
+step alike in a row (the first, eager, leaves the ring as every later one finds it) where enough steps alike may
+follow to pay for the recording (`_pays`), and replayed while the buffers hold what they held when it was recorded, in the host blocks' current version (else it is recorded again). The
 replay waits for every copy left pending; after it the offload engine holds what the recorded step left, and every
 event is the replay's end. The next step's first loads (into the slots of the step's last layers) are left out of
 the graph and issued after its launch, so that they overlap the sampling and the next launch, as in an eager step
@@ -33,12 +33,13 @@ from engine.step import QUIET
 from engine.trace.recorder import NULL_RECORDER
 
 KEEP = 8   # graphs kept (least recently used dropped): one per block count, ring phase and block table
+RECORD_MIN_STEPS = 128   # recorded only where at least this many steps alike may follow (see `run`)
 
 
 @dataclass
 class _Step:
     graph: torch.cuda.CUDAGraph
-    before: list      # the buffers' holdings the step was recorded from (OffloadEngine.holdings)
+    before: list      # the buffers' holdings the step was recorded from (StepGraphs._holdings)
     after: list       # ... and what it left
     packed: list      # the runner's packed-buffer entries it left
     bytes_h2d: int    # host-to-device bytes of one step
@@ -80,7 +81,7 @@ class StepGraphs:
         alike = key[:1] + key[2:]
         step = self.steps.get(key)
         if step is None or not self._holds(step.before):   # (a prefill's ring, or blocks written since)
-            step = self._record(key, seq, ctx) if self._seen == alike else None
+            step = self._record(key, seq, ctx) if self._seen == alike and self._pays(seq) else None
         if step is None:
             self._seen = alike
             return False
@@ -89,20 +90,45 @@ class StepGraphs:
         self._seen = None
         return True
 
+    def _pays(self, seq) -> bool:
+        """Recording costs ~50 ms of host time (H200, default model: the layers' bodies run from Python under
+        capture, ~1.6 ms each), ~20 steps' worth; a replay saves 0-1 ms a step (more where the host is slow).
+        So a step is recorded only where many steps alike may follow: before its block fills and the answer's
+        `max_tokens` ends. A short answer runs eagerly unless a longer one recorded its steps before."""
+        left = min(self.runner.block_size - len(seq) % self.runner.block_size,
+                   seq.params.max_tokens - seq.num_completion_tokens)
+        return left >= RECORD_MIN_STEPS
+
     def _holds(self, before: list) -> bool:
-        """The buffers hold what they held when the step was recorded, and that is the host blocks' current
-        version (an eager step would load nothing more into them than the recorded one did)."""
+        """The buffers hold the blocks they held when the step was recorded, in their current version (an eager
+        step would load nothing more into them than the recorded one did)."""
         oe = self.runner.oe
-        if any(o != b[0] or h != b[1] for o, h, b in zip(oe.owner, oe.held, before)):
-            return False
         ver = oe.versions
-        return all(ver[layer].get(blk, 0) == v for _, held, _ in before for layer, blk, v in held.values())
+        for o, held, (o2, blocks, _) in zip(oe.owner, oe.held, before):
+            if o != o2 or len(held) != len(blocks):
+                return False
+            for p, (layer, blk, v) in held.items():
+                if blocks.get(p) != (layer, blk) or ver[layer].get(blk, 0) != v:
+                    return False
+        return True
+
+    def _holdings(self) -> list:
+        """The buffers' holdings without the blocks' versions (a new request's prefill writes blocks again: the
+        step stays the same)."""
+        return [(o, {p: (layer, blk) for p, (layer, blk, _) in held.items()}, None if same is None else same[1:])
+                for o, held, same in self.runner.oe.holdings()]
+
+    def _hold(self, holdings: list, done) -> None:
+        oe = self.runner.oe
+        ver, n = oe.versions, oe._rewrites
+        oe.hold([(o, {p: (layer, blk, ver[layer].get(blk, 0)) for p, (layer, blk) in blocks.items()},
+                  None if same is None else (n, *same)) for o, blocks, same in holdings], done)
 
     def _record(self, key: tuple, seq, ctx) -> _Step | None:
         r, oe, graphs = self.runner, self.runner.oe, self.runner.decode_graphs
-        torch.cuda.synchronize(r.device)     # nothing pending: the capture waits for no event made before it
-        oe.hold(oe.holdings(), None)
-        before, packed, bytes0 = oe.holdings(), list(r._packed), oe.bytes_h2d
+        events = oe.loaded, oe.free, oe.read, oe.dbuf_read, oe.layer_written   # (hold() makes new lists)
+        before, packed, bytes0 = self._holdings(), list(r._packed), oe.bytes_h2d
+        oe.hold(oe.holdings(), None)         # no event made before the capture is waited for inside it
         if self._stream is None:
             self._stream = torch.cuda.Stream(r.device)
         graph = torch.cuda.CUDAGraph()
@@ -118,23 +144,21 @@ class StepGraphs:
                         oe.compute.wait_event(e)
                 finally:
                     graph.capture_end()
+            after, packed_after = self._holdings(), list(r._packed)
         except Exception as e:   # noqa: BLE001 - the step runs eagerly, and so do all later ones
-            oe.hold(before, None)
-            r._packed[:] = packed
-            oe.bytes_h2d = bytes0
             self.enabled = False
             warnings.warn(f"layerwise decode: recording a whole step as a CUDA graph failed ({type(e).__name__}: "
                           f"{e}); decode steps run layer by layer from now on", stacklevel=2)
             return None
-        finally:
+        finally:                             # the capture ran nothing: back to the state before it
             graphs.inline = False
             oe.begin_step(ctx.recorder)
+            self._hold(before, None)
+            oe.loaded, oe.free, oe.read, oe.dbuf_read, oe.layer_written = events
+            r._packed[:] = packed
+            step_bytes, oe.bytes_h2d = oe.bytes_h2d - bytes0, bytes0
         self._pool = graph.pool()
-        step = _Step(graph, before, oe.holdings(), list(r._packed), oe.bytes_h2d - bytes0)
-        oe.hold(before, None)                # the replay that follows does this step's work
-        r._packed[:] = packed
-        oe.bytes_h2d = bytes0
-        self.steps[key] = step
+        step = self.steps[key] = _Step(graph, before, after, packed_after, step_bytes)
         if len(self.steps) > KEEP:
             self.steps.popitem(last=False)
         self.captures += 1
@@ -146,7 +170,7 @@ class StepGraphs:
         for e in oe.pending():
             wait_on(e, r.device, stream=oe.compute, waited=oe.compute_waited)
         step.graph.replay()
-        oe.hold(step.after, compute_done(r.device, oe.compute))
+        self._hold(step.after, compute_done(r.device, oe.compute))
         r._packed[:] = step.packed
         oe.bytes_h2d += step.bytes_h2d
         graphs._meta_now[0] = None           # meta[0] holds the position's row now

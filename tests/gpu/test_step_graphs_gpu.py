@@ -36,37 +36,45 @@ def prompts():
 
 
 def test_replayed_steps_answer_as_eager_ones_across_block_boundaries(llm, prompts):
-    """300 answer tokens after a 600-token prompt fill blocks at 768 and 1024 (and the 300-token prompt's at 512): the
-    tokens and each step's bytes are those of the eager steps, and most steps were replays."""
+    """400 answer tokens after a 600-token prompt fill the block at 768: the tokens and each step's bytes are those
+    of the eager steps; each block's steps were recorded once (on their second step) and replayed; the 300-token
+    prompt's 60-token answer is too short to pay for a recording and runs eagerly."""
     sg = llm.runner.step_graphs
     sg.enabled = False
-    eager = _answers(llm, prompts, 300)
+    eager = _answers(llm, prompts[:1], 400), _answers(llm, prompts[1:], 60)
     eager_bytes = llm.runner.last_step_bytes
     sg.enabled, sg.replays, sg.captures = True, 0, 0
     sg.clear()
-    got = _answers(llm, prompts, 300)
+    got = _answers(llm, prompts[:1], 400)
+    assert sg.captures == 2 and sg.replays >= 399 - 6, (sg.captures, sg.replays)
+    replays = sg.replays
+    got = got, _answers(llm, prompts[1:], 60)
     assert got == eager
     assert llm.runner.last_step_bytes == eager_bytes
-    assert sg.captures >= 4 and sg.replays >= 2 * 300 - 6 * 3, (sg.captures, sg.replays)
-    print(f"\nstep graphs: {sg.captures} recorded, {sg.replays} replays of {2 * 300} decode steps")
+    assert sg.captures == 2 and sg.replays == replays
+    print(f"\nstep graphs: {sg.captures} recorded, {sg.replays} replays of 399 decode steps")
 
 
 def test_a_new_request_over_the_same_blocks_replays_only_once_the_ring_is_steady(llm, prompts):
-    """A second request whose blocks and length class repeat: its first decode step follows a prefill, whose ring
-    holds other layers, so it runs eagerly; the graph recorded by the first request serves the steps after it."""
+    """A second request over the same blocks (the prefix cache's) with a short answer: its first decode step follows
+    a prefill, whose ring holds other layers, so it runs eagerly; the graph recorded for the long answer serves the
+    steps after it."""
     sg = llm.runner.step_graphs
     sg.enabled = True
-    first = _answers(llm, prompts[:1], 40)
-    captures = sg.captures
-    second = _answers(llm, prompts[:1], 40)
-    assert second == first
-    assert sg.captures == captures              # nothing recorded again: the same blocks, the same graphs
+    _answers(llm, prompts[:1], 400)
+    captures, replays = sg.captures, sg.replays
+    sg.enabled = False
+    eager = _answers(llm, prompts[:1], 40)
+    sg.enabled = True
+    assert _answers(llm, prompts[:1], 40) == eager
+    assert sg.captures == captures and sg.replays == replays + 38
 
 
 def test_detailed_steps_run_eagerly_between_replays_and_keep_their_timeline(llm, prompts):
     """The app's recorder (a timeline a few times a second): its detailed decode steps carry every layer's compute
     and loads; the steps between them are replays; the answer is the untraced one."""
     sg = llm.runner.step_graphs
+    _answers(llm, prompts[:1], 400)          # (records the steps the short answers replay)
     plain = _answers(llm, prompts[:1], 120)
     replays = sg.replays
     rec = TraceRecorder(max_steps=512, device=llm.device, detail_hz=50.0)   # every ~20 ms
