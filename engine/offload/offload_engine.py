@@ -359,7 +359,7 @@ class OffloadEngine:
 
     def hold(self, holdings: list[tuple], done) -> None:
         """The buffers hold `holdings`, and every copy and compute so far ended at `done` (a compute-stream event
-        recorded after a step graph's replay; None: nothing is pending, after a device sync)."""
+        recorded after a step graph's replay; None: no event, while a step graph is recorded)."""
         for b, (o, h, s) in enumerate(holdings):
             self.owner[b], self.held[b], self._same[b] = o, dict(h), s
         self.loaded = [None if e is None else done for e in self.loaded]

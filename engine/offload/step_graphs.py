@@ -14,11 +14,12 @@ A step qualifies (`key`) when it is a decode step with no timeline recorded (a d
 spans: it runs eagerly), under a policy that does not plan loads (Quest's pages change every step), with no block
 filling in it or before it (offloads stay eager) and the next step's loads to make. It is recorded on the second
 step alike in a row (the first, eager, leaves the ring as every later one finds it) where enough steps alike may
-follow to pay for the recording (`_pays`), and replayed while the buffers hold what they held when it was recorded, in the host blocks' current version (else it is recorded again). The
-replay waits for every copy left pending; after it the offload engine holds what the recorded step left, and every
-event is the replay's end. The next step's first loads (into the slots of the step's last layers) are left out of
-the graph and issued after its launch, so that they overlap the sampling and the next launch, as in an eager step
-(inside the graph they delayed its end: 3.04 against 2.92 ms a step, H200, default model's shape at 5.9K tokens).
+follow to pay for the recording (`_pays`), and replayed while the buffers hold what they held when it was
+recorded, in the host blocks' current version (else it is recorded again). The replay waits for every copy left
+pending; after it the offload engine holds what the recorded step left, and every event is the replay's end. The
+next step's first loads (into the slots of the step's last layers) are left out of the graph and issued after its
+launch, so that they overlap the sampling and the next launch, as in an eager step (inside the graph they delayed
+its end: 3.04 against 2.92 ms a step, H200, default model's shape at 5.9K tokens).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from engine.step import QUIET
 from engine.trace.recorder import NULL_RECORDER
 
 KEEP = 8   # graphs kept (least recently used dropped): one per block count, ring phase and block table
-RECORD_MIN_STEPS = 128   # recorded only where at least this many steps alike may follow (see `run`)
+RECORD_MIN_STEPS = 128   # recorded only where at least this many steps alike may follow (see `_pays`)
 
 
 @dataclass
