@@ -58,7 +58,8 @@ def measure(llm, blocks: int, steps: int, label: str) -> None:
         step, host = got[on]
         q = sorted(step)
         print(f"{label} step graphs {'on ' if on else 'off'}: step {statistics.median(step):.3f} ms (p10 "
-              f"{q[len(q) // 10]:.3f}, p90 {q[9 * len(q) // 10]:.3f}), host to the logits {statistics.median(host):.3f} ms")
+              f"{q[len(q) // 10]:.3f}, p90 {q[9 * len(q) // 10]:.3f}), host to the logits "
+              f"{statistics.median(host):.3f} ms")
     print(f"  recorded {sg.captures}, replayed {sg.replays}; steps that recorded: {[round(t, 1) for t in recorded]} ms")
 
 

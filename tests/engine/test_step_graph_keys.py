@@ -35,7 +35,7 @@ def _finish(llm):
 
 def test_steps_alike_share_a_key_and_the_ring_state_they_start_from(llm):
     sg = llm.runner.step_graphs
-    seq = _decode(llm, list(range(3, 3 + BS + TAIL)), BS, 2)
+    seq = _decode(llm, list(range(3, 3 + BS + 190)), BS, 2)     # (63 steps before block 1 fills)
     key, held = sg.key(seq, NULL_RECORDER), sg._holdings()
     assert key is not None and key[0] == (len(seq) - 1) // BS
     S, N = len(llm.runner.streamed), llm.runner.oe.ring_slots
@@ -52,7 +52,7 @@ def test_steps_alike_share_a_key_and_the_ring_state_they_start_from(llm):
     after = sg.key(seq, NULL_RECORDER)
     assert after is not None and after[0] == key[0] + 1 and after[2][:-1] == key[2]
     assert not sg._holds(held)                         # the ring now holds one block more
-    _finish(llm)
+    llm.cancel(seq)
 
 
 def test_a_new_requests_prefill_leaves_a_ring_no_step_graph_starts_from(llm):
@@ -78,7 +78,7 @@ def test_what_runs_eagerly(llm):
     seq.params, params = short, seq.params
     assert not sg._pays(seq)                           # a 64-token answer: never more than 64 steps alike
     seq.params = params
-    _finish(llm)
+    llm.cancel(seq)
     llm.set_policy("quest", {"token_budget": 128, "min_context": 32, "min_layer_mb": 0})
     try:
         seq = _decode(llm, list(range(13, 13 + BS + TAIL)), 40, 2)
