@@ -60,10 +60,14 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="with --wall: the host time per step of the layer loop's "
                    "parts (HOST_PARTS), each timed around its call (inclusive, so nested parts count in both)")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
+    p.add_argument("--no-step-graphs", action="store_true", help="layerwise: no whole-step CUDA graphs (recorded "
+                   "where >= 128 steps alike may follow, i.e. with --steps of ~60 and more)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode,
               policy=a.policy, policy_params=json.loads(a.params), enforce_eager=a.eager,
               **({"gpu_kv_budget_gb": float(a.gpu_kv_budget)} if a.gpu_kv_budget else {}))
+    if a.no_step_graphs and getattr(llm.runner, "step_graphs", None) is not None:
+        llm.runner.step_graphs.enabled = False
     if a.trace or a.layers:
         from engine.trace import TraceRecorder
         llm.recorder = TraceRecorder(device=llm.device) if a.layers else TraceRecorder.live(llm.device, mode=llm.config.mode)
