@@ -41,16 +41,17 @@ def test_replayed_steps_answer_as_eager_ones_across_block_boundaries(llm, prompt
     prompt's 60-token answer is too short to pay for a recording and runs eagerly."""
     sg = llm.runner.step_graphs
     sg.enabled = False
-    eager = _answers(llm, prompts[:1], 400), _answers(llm, prompts[1:], 60)
-    eager_bytes = llm.runner.last_step_bytes
+    eager = _answers(llm, prompts[:1], 400)
+    eager_bytes = llm.runner.last_step_bytes          # (the last step's: a replay below)
+    eager = eager, _answers(llm, prompts[1:], 60)
     sg.enabled, sg.replays, sg.captures = True, 0, 0
     sg.clear()
     got = _answers(llm, prompts[:1], 400)
     assert sg.captures == 2 and sg.replays >= 399 - 6, (sg.captures, sg.replays)
+    assert llm.runner.last_step_bytes == eager_bytes  # its loads, and the next step's issued after the launch
     replays = sg.replays
     got = got, _answers(llm, prompts[1:], 60)
     assert got == eager
-    assert llm.runner.last_step_bytes == eager_bytes
     assert sg.captures == 2 and sg.replays == replays
     print(f"\nstep graphs: {sg.captures} recorded, {sg.replays} replays of 399 decode steps")
 
