@@ -9,22 +9,19 @@ steps that recorded a graph are listed apart (a recording costs host time once).
 processes spin on other CPUs (a host whose CPUs slow down while others work shows it). CUDA only.
 """
 import argparse
-import multiprocessing as mp
 import os
 import statistics
+import subprocess
+import sys
 import time
 
-import torch
+from app_overhead import cpu_set       # (tools/ is the script's own folder on sys.path; it puts the repo there too)
+from host_load import BURN
 
-from bench.shapes import shape_config
-from engine import LLM, SamplingParams
+import torch  # noqa: E402
 
-
-def spin(stop) -> None:
-    x = 0
-    while not stop.is_set():
-        for i in range(100_000):
-            x += i
+from bench.shapes import shape_config  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 
 
 def measure(llm, blocks: int, steps: int, label: str) -> None:
@@ -69,7 +66,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=5852)
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--pin", default="", help="CPUs for this process, e.g. 3,4")
+    ap.add_argument("--pin", type=cpu_set, default=set(), help="CPUs for this process, e.g. 3,4")
     ap.add_argument("--busy", type=int, default=0, help="then again with this many spinning processes")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -81,23 +78,20 @@ def main() -> None:
     llm.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     for _ in range(10):
         llm.step()
-    pinned = {int(c) for c in a.pin.split(",") if c}
-    if pinned:
-        os.sched_setaffinity(0, pinned)
+    if a.pin:
+        os.sched_setaffinity(0, a.pin)
     measure(llm, a.blocks, a.steps, "idle host,")
-    if a.busy:
-        stop = mp.Event()
-        others = sorted(set(range(os.cpu_count())) - pinned)
-        procs = [mp.Process(target=spin, args=(stop,)) for _ in range(a.busy)]
+    if a.busy:                         # each burns a whole core of its own, away from the engine's
+        others = sorted(set(range(os.cpu_count())) - a.pin)
+        procs = [subprocess.Popen([sys.executable, "-c", BURN, "1.0"]) for _ in range(a.busy)]
         for i, p in enumerate(procs):
-            p.start()
             os.sched_setaffinity(p.pid, {others[i % len(others)]})
         try:
             measure(llm, a.blocks, a.steps, f"{a.busy} busy CPUs,")
         finally:
-            stop.set()
             for p in procs:
-                p.join()
+                p.kill()
+                p.wait()
 
 
 if __name__ == "__main__":
