@@ -27,10 +27,12 @@ from collections.abc import Callable
 import torch
 
 from engine.models.llama import CausalLM
+from engine.offload import child_graph
 from engine.ops.attention import decode_attention, store_kv
 
 STAGING_ROWS = 64   # pinned rows reused round robin: a step stages at most a few, and each step ends in a sync
 INPUTS = (None, None, None, "inputs")   # the graph key of begin_token's (layer keys: (layer, buffer, layout, part))
+POSITION = (None, None, None, "position")   # ... and of inputs_from_position's
 
 
 class DecodeGraphs:
@@ -58,7 +60,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self._warm: set[tuple] = set()
-        self.inline = False    # True while a whole step is captured: bodies run as they are, no replay, no staging
+        self.inline = False    # True while a whole step is captured: graphs become its nodes, no staging
+        self.children = child_graph.supported()   # keep each graph's cudaGraph_t, to add it to a step's capture
+        self._bs = 0
 
     def begin_token(self, token: int, position: int) -> None:
         """A new decode step from its token and position: one small copy through a pinned row, then one replay
@@ -76,10 +80,31 @@ class DecodeGraphs:
         """A whole step's graph starts here (engine/offload/step_graphs.py): the static inputs from `token_pos`,
         and the whole-block layout's meta row from the position alone (the new token at block p // bs, offset
         p % bs, p + 1 tokens attended, offset p % bs of the decode buffer), so that no row is staged per layer."""
+        self._bs = block_size
+        self._replay(POSITION)
+        self._meta_now[0] = None
+
+    def _position(self) -> None:
         self._inputs()
         p = self.token_pos[1:]
-        self.meta[0].copy_(torch.cat([p // block_size, p % block_size, p + 1, p % block_size]))
-        self._meta_now[0] = None
+        self.meta[0].copy_(torch.cat([p // self._bs, p % self._bs, p + 1, p % self._bs]))
+
+    def prepare(self, keys: list[tuple], block_size: int) -> None:
+        """Before a whole step's capture: record the graphs of `keys` that ran once but were not recorded yet (a
+        graph cannot be recorded inside another capture), so that the capture adds each as one node instead of
+        running its body from Python. POSITION may run eagerly first: the step starts from `token_pos` anyway."""
+        if not self.children:
+            return
+        self._bs = block_size
+        for key in keys:
+            if key in self.graphs:
+                continue
+            if key == POSITION and key not in self._warm:
+                self._warm.add(key)
+                self._position()
+                self._meta_now[0] = None
+            if key in self._warm:
+                self._capture(key)
 
     def _stage(self, values: tuple[int, int, int, int]) -> torch.Tensor:
         i = self._next_row
@@ -119,20 +144,36 @@ class DecodeGraphs:
 
     def _replay(self, key: tuple, work: Callable[[], None] | None = None) -> None:
         graph = self.graphs.get(key)
-        body = self._inputs if key == INPUTS else lambda: self._body(*key[:4], work)
-        if self.inline:      # recorded into the step's graph instead (a graph cannot be replayed inside a capture)
-            body()
+        if self.inline:      # recorded into the step's graph (a graph cannot be replayed inside a capture)
+            if graph is not None and work is None and self.children:
+                child_graph.add_child(graph)
+            else:
+                self._run(key, work)
             return
         if graph is None and key not in self._warm:   # first time: eager (compiles what the capture will record)
             self._warm.add(key)
-            body()
+            self._run(key, work)
             return
         if graph is None:
-            graph = self.graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                body()
-            self.pool = graph.pool()
+            graph = self._capture(key, work)
         graph.replay()
+
+    def _capture(self, key: tuple, work: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
+        graph = self.graphs[key] = torch.cuda.CUDAGraph(keep_graph=True) if self.children else torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._run(key, work)
+        if self.children:
+            graph.instantiate()
+        self.pool = graph.pool()
+        return graph
+
+    def _run(self, key: tuple, work: Callable[[], None] | None = None) -> None:
+        if key == INPUTS:
+            self._inputs()
+        elif key == POSITION:
+            self._position()
+        else:
+            self._body(*key[:4], work)
 
     def _inputs(self) -> None:
         m = self.model

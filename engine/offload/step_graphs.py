@@ -19,7 +19,9 @@ recorded, in the host blocks' current version (else it is recorded again). The r
 pending; after it the offload engine holds what the recorded step left, and every event is the replay's end. The
 next step's first loads (into the slots of the step's last layers) are left out of the graph and issued after its
 launch, so that they overlap the sampling and the next launch, as in an eager step (inside the graph they delayed
-its end: 3.04 against 2.92 ms a step, H200, default model's shape at 5.9K tokens).
+its end: 3.04 against 2.92 ms a step, H200, default model's shape at 5.9K tokens). Each layer's compute goes into
+the capture as its own recorded graph, one child node (`DecodeGraphs.prepare` records the ones missing first):
+the capture then runs only the loads' Python, not every layer's kernels' launches.
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.offload.decode_graphs import POSITION
 from engine.offload.streams import compute_done, wait_on
 from engine.step import QUIET
 from engine.trace.recorder import NULL_RECORDER
 
 KEEP = 8   # graphs kept (least recently used dropped): one per block count, ring phase and block table
-RECORD_MIN_STEPS = 128   # recorded only where at least this many steps alike may follow (see `_pays`)
+RECORD_MIN_STEPS = 32    # recorded only where at least this many steps alike may follow (see `_pays`)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class StepGraphs:
     def clear(self) -> None:
         self.steps.clear()
         self._seen = None
+        self._pool = None    # (a pool no graph holds any more cannot be captured into again)
 
     def key(self, seq, rec) -> tuple | None:
         """What makes two decode steps alike, or None where this one must run eagerly."""
@@ -92,10 +96,10 @@ class StepGraphs:
         return True
 
     def _pays(self, seq) -> bool:
-        """Recording costs ~50 ms of host time (H200, default model: the layers' bodies run from Python under
-        capture, ~1.6 ms each), ~20 steps' worth; a replay saves 0-1 ms a step (more where the host is slow).
-        So a step is recorded only where many steps alike may follow: before its block fills and the answer's
-        `max_tokens` ends. A short answer runs eagerly unless a longer one recorded its steps before."""
+        """Recording costs ~11 ms of host time (H200, default model: each layer's graph is added to the capture as
+        one node, engine/offload/child_graph.py; from Python, the layers' bodies took ~50 ms), a few steps' worth;
+        a replay saves 0.2-1.4 ms a step (more where the host is slow). So a step is recorded only where enough
+        steps alike may follow: before its block fills and the answer's `max_tokens` ends."""
         left = min(self.runner.block_size - len(seq) % self.runner.block_size,
                    seq.params.max_tokens - seq.num_completion_tokens)
         return left >= RECORD_MIN_STEPS
@@ -129,6 +133,7 @@ class StepGraphs:
         r, oe, graphs = self.runner, self.runner.oe, self.runner.decode_graphs
         events = oe.loaded, oe.free, oe.read, oe.dbuf_read, oe.layer_written   # (hold() makes new lists)
         before, packed, bytes0 = self._holdings(), list(r._packed), oe.bytes_h2d
+        graphs.prepare([POSITION] + [(l, r._buffer(l), 0, "all") for l in range(len(r.model.layers))], r.block_size)
         oe.hold(oe.holdings(), None)         # no event made before the capture is waited for inside it
         if self._stream is None:
             self._stream = torch.cuda.Stream(r.device)

@@ -7,6 +7,7 @@ import pytest
 
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
+from engine.offload.step_graphs import RECORD_MIN_STEPS
 from engine.trace import TraceRecorder
 from engine.trace.recorder import NULL_RECORDER
 
@@ -74,9 +75,11 @@ def test_what_runs_eagerly(llm):
     assert sg.key(seq, NULL_RECORDER) is not None
     assert sg.key(seq, TraceRecorder(device=llm.device)) is None       # a step with a timeline
     assert sg._pays(seq)                               # 300 tokens asked for, 200 steps before the block fills
-    short = SamplingParams(max_tokens=64)
-    seq.params, params = short, seq.params
-    assert not sg._pays(seq)                           # a 64-token answer: never more than 64 steps alike
+    params, done = seq.params, seq.num_completion_tokens
+    seq.params = SamplingParams(max_tokens=done + RECORD_MIN_STEPS - 1)
+    assert not sg._pays(seq)                           # too few steps alike left to pay for a recording
+    seq.params = SamplingParams(max_tokens=done + RECORD_MIN_STEPS)
+    assert sg._pays(seq)
     seq.params = params
     llm.cancel(seq)
     llm.set_policy("quest", {"token_budget": 128, "min_context": 32, "min_layer_mb": 0})

@@ -4,6 +4,7 @@ import torch
 
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
+from engine.offload.step_graphs import RECORD_MIN_STEPS
 from engine.trace import TraceRecorder
 from engine.trace.events import COMPUTE, H2D
 
@@ -38,22 +39,37 @@ def prompts():
 def test_replayed_steps_answer_as_eager_ones_across_block_boundaries(llm, prompts):
     """400 answer tokens after a 600-token prompt fill the block at 768: the tokens and each step's bytes are those
     of the eager steps; each block's steps were recorded once (on their second step) and replayed; the 300-token
-    prompt's 60-token answer is too short to pay for a recording and runs eagerly."""
+    prompt's short answer is too short to pay for a recording and runs eagerly."""
     sg = llm.runner.step_graphs
     sg.enabled = False
     eager = _answers(llm, prompts[:1], 400)
     eager_bytes = llm.runner.last_step_bytes          # (the last step's: a replay below)
-    eager = eager, _answers(llm, prompts[1:], 60)
+    eager = eager, _answers(llm, prompts[1:], RECORD_MIN_STEPS)
     sg.enabled, sg.replays, sg.captures = True, 0, 0
     sg.clear()
     got = _answers(llm, prompts[:1], 400)
     assert sg.captures == 2 and sg.replays >= 399 - 6, (sg.captures, sg.replays)
     assert llm.runner.last_step_bytes == eager_bytes  # its loads, and the next step's issued after the launch
     replays = sg.replays
-    got = got, _answers(llm, prompts[1:], 60)
+    got = got, _answers(llm, prompts[1:], RECORD_MIN_STEPS)
     assert got == eager
     assert sg.captures == 2 and sg.replays == replays
     print(f"\nstep graphs: {sg.captures} recorded, {sg.replays} replays of 399 decode steps")
+
+
+def test_recording_again_after_the_policy_changed(llm, prompts, recwarn):
+    """set_policy drops the recorded steps (and their memory pool): the next long answer records and replays again
+    (a stale pool once failed the recording, and every later step ran eagerly with a warning)."""
+    sg = llm.runner.step_graphs
+    sg.enabled = False
+    eager = _answers(llm, prompts[1:], 100)
+    sg.enabled = True
+    _answers(llm, prompts[:1], 100)
+    llm.set_policy("full")
+    captures, replays = sg.captures, sg.replays
+    assert _answers(llm, prompts[1:], 100) == eager
+    assert sg.enabled and sg.captures == captures + 1 and sg.replays > replays + 90, (sg.captures, sg.replays)
+    assert not [w for w in recwarn if "CUDA graph" in str(w.message)]
 
 
 def test_a_new_request_over_the_same_blocks_replays_only_once_the_ring_is_steady(llm, prompts):
