@@ -27,8 +27,15 @@ _lib = None
 
 
 def supported() -> bool:
-    """torch keeps a captured graph's cudaGraph_t on request (keep_graph, torch >= 2.8)."""
-    return hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph")
+    """torch keeps a captured graph's cudaGraph_t on request (keep_graph, torch >= 2.8) and the driver has the three
+    entry points (else a step's capture runs the layers' bodies from Python, as before)."""
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"):
+        return False
+    try:
+        _driver()
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _driver():
