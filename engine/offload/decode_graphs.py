@@ -19,6 +19,11 @@ decode buffer): row 0 for buffers holding whole blocks, row 1 for buffers packed
 buffers (`dbuf`, the layers' partly filled blocks), the graph also keeps the new token's K, V there: one copy
 launched from Python per layer fewer. A meta row is staged through a small ring of pinned host rows and copied with
 non_blocking=True: no host sync in the layer loop. q comes out in a static tensor.
+
+The graphs keep their `cudaGraph_t` (keep_graph=True, where torch has it): a whole step's capture
+(engine/offload/step_graphs.py, `inline`) adds each layer's graph to itself as one child node
+(engine/offload/child_graph.py) instead of running the layer's body from Python again; the graphs, and so their
+memory pool, live as long as this object.
 """
 from __future__ import annotations
 
