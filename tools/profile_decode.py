@@ -61,7 +61,7 @@ def main() -> None:
                    "parts (HOST_PARTS), each timed around its call (inclusive, so nested parts count in both)")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     p.add_argument("--no-step-graphs", action="store_true", help="layerwise: no whole-step CUDA graphs (recorded "
-                   "where >= 128 steps alike may follow, i.e. with --steps of ~60 and more)")
+                   "where >= 32 steps alike may follow: engine/offload/step_graphs.py)")
     a = p.parse_args()
     llm = LLM(shape=shape_config(a.shape), max_model_len=a.max_model_len or a.ctx + 64, mode=a.mode,
               policy=a.policy, policy_params=json.loads(a.params), enforce_eager=a.eager,
