@@ -12,8 +12,8 @@ every driver since CUDA 11.3 exports (later ones add edge data, which nothing he
 
 The child graph must be kept (`torch.cuda.CUDAGraph(keep_graph=True)`, torch >= 2.8) and must not allocate
 memory inside the graph (torch's graphs never do: their memory comes from a pool). The node reads and writes the
-same addresses as the child's own replays, so the child graph's pool has to outlive the step graph: the caller
-keeps the child graphs with it.
+same addresses as the child's own replays, so the child graph's pool has to outlive the step graph (DecodeGraphs
+keeps its graphs as long as it lives).
 """
 from __future__ import annotations
 
@@ -62,11 +62,11 @@ def _check(lib, rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA driver error {rc} ({(msg.value or b'?').decode()})")
 
 
-def add_child(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> None:
-    """Append `graph` (captured with keep_graph=True) to the capture running on `stream` (default: the current
-    stream) as one node after everything captured on it so far."""
+def add_child(graph: torch.cuda.CUDAGraph) -> None:
+    """Append `graph` (captured with keep_graph=True) to the capture running on the current stream as one node
+    after everything captured on it so far."""
     lib = _driver()
-    s = ctypes.c_void_p((stream or torch.cuda.current_stream()).cuda_stream)
+    s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     status, cid, parent = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_void_p()
     deps, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
     _check(lib, lib.cuStreamGetCaptureInfo_v2(s, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(parent),
