@@ -255,6 +255,7 @@ def _chat(args) -> int:
                   policy=policy, policy_params=policy_kwargs, kv_store=None if args.no_kv_store else args.kv_store,
                   kv_store_gb=args.kv_store_gb)
     check_config(**engine)        # every setting, the policy's mode, the model folder and its tokenizer files
+    from app import heap
     from app.documents import load_document
     from app.prompt import document_messages
     from engine import LLM, EngineConfig, SamplingParams
@@ -276,6 +277,7 @@ def _chat(args) -> int:
         recorder = TraceRecorder.live(device, max_steps=args.max_new_tokens + 64, mode=args.mode)
     with LLM(progress=_progress, recorder=recorder, **engine) as llm:   # closed at the end: threads joined, last writes done
         llm.warm_up(_progress)                        # CUDA: compiled and captured before the question, not in it
+        heap.freeze()                                 # what the engine holds, out of later full collections
         messages = document_messages(document.text, question, document.name, args.system)
         first_step = recorder.steps[-1].step + 1 if recorder is not None and recorder.steps else 0
         ids = llm.tokenize_turn(messages)             # once: the engine and the recording's token map take them

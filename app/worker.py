@@ -22,6 +22,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from app import heap
 from app.documents import Document, load_document
 from app.prompt import document_messages
 from app.quest_highlight import token_char_map
@@ -131,11 +132,13 @@ class EngineWorker(WorkerBase):
             self.llm.set_policy(config.get("policy", "full"), config.get("policy_params") or {})
             self.engine_config = dict(config)
             self.llm.warm_up(self.model_progress.emit)   # CUDA: its kernels and graphs now, not in the first turn
+            heap.freeze()                                # (the new policy's graphs too: app/heap.py)
             self._ready()
             return
         check_config(**config)                    # a wrong folder or setting is refused while the loaded engine runs
         old, previous, self.llm = self.llm, self.engine_config, None
         if old is not None:                       # freed first: two big models may not fit side by side
+            heap.thaw()                           # (its objects collectable again: app/heap.py)
             old.close()                           # (its disk tier's writes finish; it lets go of its model and KV)
             del old                               # (no gc.collect() here: a collection on this thread destroys
                                                   # other threads' Qt objects, and PySide can deadlock on that)
@@ -160,6 +163,7 @@ class EngineWorker(WorkerBase):
         except BaseException:
             llm.close()
             raise
+        heap.freeze()                    # the engine's objects out of every later full collection (app/heap.py)
         self._live = TraceRecorder.live(llm.device, on_step=self.telemetry.append, mode=llm.config.mode)
         llm.recorder = self._live if self.watching else None
         self.llm, self.engine_config = llm, dict(config)

@@ -42,6 +42,7 @@ POLL_MS = 2000  # a timed turn ends when the chat ends its answer (its signal); 
 
 ENGINE_ONLY = r"""
 import json, sys
+from app import heap
 from app.documents import load_document
 from app.prompt import document_messages
 from engine import LLM, SamplingParams
@@ -49,15 +50,22 @@ from engine.trace import NULL_RECORDER, TraceRecorder
 cfg = json.loads(sys.argv[1])
 llm = LLM(**cfg["engine"])
 llm.warm_up()                     # as the CLI and the app do at load (CUDA: kernels compiled, graphs captured)
+heap.freeze()                     # ... and as they do after it (app/heap.py)
 traced = TraceRecorder.live(llm.device, mode=llm.config.mode)   # as the app's worker records (app/worker.py), with no window to draw it
 doc = load_document(cfg["document"])
 messages = document_messages(doc.text, cfg["question"], doc.name)
 params = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True)
 
+collections = heap.Collections()
+
 def turn():
+    collections.by.clear()
+    collections.label = "turn"
     for chunk in llm.stream(messages, params):
         if chunk.stats is not None:
-            return chunk.stats.to_dict()
+            collections.label = None
+            n, ms = collections.total("turn")
+            return {**chunk.stats.to_dict(), "gc": [n, ms]}
 
 turn()                            # the document's KV into the prefix cache, as the app's warm-up turn
 print("ready", flush=True)
@@ -149,6 +157,15 @@ class EngineOnly:
         self.proc.wait(60)
 
 
+def _gc_line(rows: list[dict]) -> str:
+    """Python's collections a turn (means: a full one is rare and long), in the engine-only process or the window's."""
+    key = "gc" if "gc" in rows[0] else "window_gc" if "window_gc" in rows[0] else None
+    if key is None:
+        return ""
+    return (f"; GC {'engine' if key == 'gc' else 'window'} {statistics.fmean(r[key][0] for r in rows):.2f}x "
+            f"{statistics.fmean(r[key][1] for r in rows):.2f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=8)
@@ -182,6 +199,7 @@ def main() -> int:
 
     from PySide6.QtWidgets import QApplication
 
+    from app import heap
     from app.samples import SAMPLE
     from app.main_window import MainWindow
     from app.screenshots import ask_and_wait, wait_until
@@ -215,6 +233,7 @@ def main() -> int:
         pin(os.getpid(), set(os.sched_getaffinity(0)) - args.pin)
         print(f"pinned: engine processes {engines} on CPUs {sorted(args.pin)}, the window's process on the others")
     with_app, without, traced, control, refresh, backlog, unwatched, quiet = [], [], [], [], [], [], [], []
+    collections = heap.Collections()                                          # the window's process's own
 
     def window_turn(into: list, draw: bool = True, watch: bool = True) -> None:
         """One turn asked in the window: its views' pump stopped unless `draw`, View -> Watch off unless `watch`."""
@@ -224,7 +243,11 @@ def main() -> int:
             win.telemetry.stop()
         win.watch_action.setChecked(watch)
         clock = TurnClock(getattr(win.worker, "pid", None))
-        into.append({**ask_and_wait(app, win, QUESTION, 600, POLL_MS), "clock": clock.read()})
+        collections.by.clear()
+        collections.label = "turn"
+        turn = ask_and_wait(app, win, QUESTION, 600, POLL_MS)
+        collections.label = None
+        into.append({**turn, "clock": clock.read(), "window_gc": list(collections.total("turn"))})
         win.watch_action.setChecked(True)
         win.telemetry.start()
 
@@ -318,7 +341,7 @@ def main() -> int:
         wall = statistics.median(1e3 * (r["ttft_s"] + (r["completion_tokens"] - 1) / r["decode_tok_s"]) for r in rows)
         print(f"  {name:15s} {mc['engine_cpu_ms']:8.1f} / {mc['engine_wait_ms']:6.1f} / {wall:7.1f} turn; "
               f"{mc['engine_forced']:5.0f} forced; others {mc['engine_others_cpu_ms']:7.1f}; window "
-              f"{mc['window_cpu_ms']:7.1f}")
+              f"{mc['window_cpu_ms']:7.1f}" + _gc_line(rows))
     if not args.engine_thread:
         print(f"engine process: at most {max(backlog)} messages queued for the window in a turn"
               + (" (the pump stopped: nothing drawn)" if args.no_draw else ""))

@@ -31,6 +31,7 @@ the wall time: H100, 11.52 ms CPU in an 11.52 ms Quest step).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app import heap  # noqa: E402
 from app.record import Conversation, model_info  # noqa: E402 - the recording as `chat --record` makes it
 from bench.shapes import shape_config  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -163,6 +165,8 @@ def main() -> None:
                    "prompt (e.g. 220: a question of the app's chat template over a cached document)")
     p.add_argument("--blocks", type=int, default=0, help="steps per block: the steady steps of one answer, the "
                    "recorder swapped every block (see above); --turns rounds")
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engine is warm (as the app's engine "
+                   "process and the command line do): full collections then skip what the engine holds")
     a = p.parse_args()
     FRESH[0] = a.fresh
     (name, params), = parse_policy_spec(a.policy)
@@ -232,10 +236,16 @@ def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
     seq = llm.add_request(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
     for _ in range(21):                                # prefill, then steps that capture graphs and warm up
         llm.step()
+    if a.gc_freeze:
+        heap.freeze()
+    print(f"objects the collector tracks: {len(gc.get_objects()):,}" + (f" (frozen: {gc.get_freeze_count():,})"
+                                                                        if a.gc_freeze else ""))
     res: dict[str, list[float]] = {v: [] for v in variants}
+    tally = heap.Collections()
     for r in range(a.turns):
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:
             llm.recorder = recorder(v, llm.device, llm.config.mode)
+            tally.label = v
             times, cpu = [], 0.0
             for i in range(a.blocks + 5):
                 t0, c0 = time.perf_counter(), time.thread_time()
@@ -246,6 +256,7 @@ def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
             if llm.recorder.enabled:
                 llm.recorder.flush()
             res[v].append((statistics.median(times), statistics.fmean(times), cpu * 1e3 / a.blocks))
+    tally.label = None
     llm.recorder = None
     print(f"{llm.device} {a.mode} {a.policy} ctx {a.ctx}..{len(seq)}: blocks of {a.blocks} steady steps of one answer, "
           f"{a.turns} rounds (ms/step, median over rounds of each block's median / mean step)")
@@ -258,7 +269,7 @@ def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
                 paired = [t[i] / u[i] for t, u in zip(res[v], res["plain"])]
                 line += f"\n         {what} against plain, round by round: median {statistics.median(paired):.3f}x " \
                         f"({min(paired):.3f}-{max(paired):.3f})"
-        print(line)
+        print(line + "\n         " + tally.line(v, a.turns * (a.blocks + 5)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The engine worker on the real engine (the default model, CPU), driven directly on the test's thread: a policy
 change switches the loaded engine's policy instead of rebuilding it, and a bad parameter reaches the user."""
+import gc
 import threading
+import weakref
 
 import pytest
 import shiboken6
@@ -74,10 +76,15 @@ def test_a_bad_policy_parameter_reaches_the_user_and_keeps_the_engine(worker):
 
 def test_another_engine_setting_rebuilds_the_engine(worker):
     llm = worker.llm
+    assert gc.get_freeze_count() > 0 and not any(o is llm for o in gc.get_objects())   # loaded: out of collections
+    old = weakref.ref(llm)
+    del llm
     config = {**worker.engine_config, "kv_block_size": 128, "policy": "xattention",
               "policy_params": {"min_len": 256, "threshold": 0.8, "cpu_dense_above": 1.0}}
     worker.load_model(config)
-    assert worker.signals.errors == [] and worker.llm is not llm and worker.engine_config == config
+    assert worker.signals.errors == [] and worker.llm is not old() and worker.engine_config == config
+    gc.collect()
+    assert old() is None                               # the engine let go is freed, cycles and all (app/heap.py)
     assert worker.llm.config.kv_block_size == 128 and worker.llm.config.policy == "xattention"
     prefill = [s for s in _ask(worker) if s.phase == PREFILL]
     assert prefill[0].masks and prefill[0].masks[0].image is not None
