@@ -54,7 +54,8 @@ class Collections:
         gens = self.by.get(label, [])
         return sum(n for n, _ in gens), sum(ms for _, ms in gens)
 
-    def line(self, label, per: int, what: str = "steps") -> str:
+    def line(self, label, units: float, what: str) -> str:
+        """The collections under `label` per `what`, `units` of them counted ("GC per turn", units = the turns)."""
         gens = self.by.get(label, [[0, 0.0] for _ in range(3)])
-        return f"GC per 1000 {what}: " + ", ".join(f"gen{g} {n * 1e3 / per:.1f}x {ms * 1e3 / per:.2f} ms"
-                                                  for g, (n, ms) in enumerate(gens))
+        return f"GC per {what}: " + ", ".join(f"gen{g} {n / units:.2f}x {ms / units:.2f} ms"
+                                             for g, (n, ms) in enumerate(gens))

@@ -167,6 +167,8 @@ def main() -> None:
                    "recorder swapped every block (see above); --turns rounds")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engine is warm (as the app's engine "
                    "process and the command line do): full collections then skip what the engine holds")
+    p.add_argument("--gc-off", action="store_true", help="no automatic collection once the engine is warm (one "
+                   "between turns, outside the times): what the collections cost a turn")
     a = p.parse_args()
     FRESH[0] = a.fresh
     (name, params), = parse_policy_spec(a.policy)
@@ -190,17 +192,22 @@ def main() -> None:
         QUESTION[0] = a.question
     turn(llm, "plain", a.ctx, 8, gen)                  # warm-up: kernels, graphs
     turn(llm, "live", a.ctx, 8, gen)
+    tally = collections(a)
     res: dict[str, list[dict]] = {v: [] for v in variants}
     prof = None
     for r in range(a.turns):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         for v in order:
+            tally.label = v
             if a.profile == v and r == a.turns - 1:
                 import cProfile
                 prof = cProfile.Profile()
                 res[v].append(turn(llm, v, a.ctx, a.steps, gen, prof))
             else:
                 res[v].append(turn(llm, v, a.ctx, a.steps, gen))
+            tally.label = None
+            if a.gc_off:
+                gc.collect(1)
     print(f"{llm.device} {a.mode} {a.policy} ctx {a.ctx}, {a.steps} decode steps, {a.turns} turns per variant "
           "(ms; medians over turns)")
     base = statistics.median(t["turn"] for t in res["plain"]) if "plain" in res else None
@@ -218,6 +225,7 @@ def main() -> None:
         print(f"  {v:6s} turn {med['turn']:.3f} ms/token{ratio}  whole turn {med['whole']:.1f}{whole}  prefill "
               f"{med['prefill']:.1f}{pre}  first step {med['first']:.2f}  steady {med['steady']:.3f}{extra}")
         print("         per turn: " + ", ".join(f"{t['turn']:.3f}" for t in res[v]))
+        print("         " + tally.line(v, a.turns, "turn"))
         if base and v != "plain":   # each round's turn against the same round's plain one (the host drifts slowly)
             for key, what in (("turn", "decode"), ("whole", "whole turn"), ("prefill", "prefill step")):
                 paired = [t[key] / u[key] for t, u in zip(res[v], res["plain"])]
@@ -231,17 +239,24 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats("trace/", a.rows)
 
 
+def collections(a) -> heap.Collections:
+    """--gc-freeze / --gc-off once the engine is warm; the collections counted per variant from then on."""
+    if a.gc_freeze:
+        heap.freeze()
+    if a.gc_off:
+        gc.disable()
+    print(f"objects the collector tracks: {len(gc.get_objects()):,}" + (f" (frozen: {gc.get_freeze_count():,})"
+          if a.gc_freeze else "") + (" (automatic collection off: a collection between turns)" if a.gc_off else ""))
+    return heap.Collections()
+
+
 def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
     prompt = torch.randint(0, llm.args.vocab_size, (a.ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     seq = llm.add_request(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
     for _ in range(21):                                # prefill, then steps that capture graphs and warm up
         llm.step()
-    if a.gc_freeze:
-        heap.freeze()
-    print(f"objects the collector tracks: {len(gc.get_objects()):,}" + (f" (frozen: {gc.get_freeze_count():,})"
-                                                                        if a.gc_freeze else ""))
+    tally = collections(a)
     res: dict[str, list[float]] = {v: [] for v in variants}
-    tally = heap.Collections()
     for r in range(a.turns):
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:
             llm.recorder = recorder(v, llm.device, llm.config.mode)
@@ -269,7 +284,7 @@ def blocks(llm: LLM, a, variants: list[str], steps: int) -> None:
                 paired = [t[i] / u[i] for t, u in zip(res[v], res["plain"])]
                 line += f"\n         {what} against plain, round by round: median {statistics.median(paired):.3f}x " \
                         f"({min(paired):.3f}-{max(paired):.3f})"
-        print(line + "\n         " + tally.line(v, a.turns * (a.blocks + 5)))
+        print(line + "\n         " + tally.line(v, a.turns * (a.blocks + 5) / 1000, "1000 steps"))
 
 
 if __name__ == "__main__":
