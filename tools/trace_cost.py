@@ -241,12 +241,18 @@ def main() -> None:
 
 def collections(a) -> heap.Collections:
     """--gc-freeze / --gc-off once the engine is warm; the collections counted per variant from then on."""
+    def full() -> str:
+        t0 = time.perf_counter()
+        gc.collect()
+        return f"a full collection {(time.perf_counter() - t0) * 1e3:.2f} ms"
+    line = f"objects the collector tracks: {len(gc.get_objects()):,}, {full()}"
     if a.gc_freeze:
         heap.freeze()
+        line += f"; frozen, {full()}"
     if a.gc_off:
         gc.disable()
-    print(f"objects the collector tracks: {len(gc.get_objects()):,}" + (f" (frozen: {gc.get_freeze_count():,})"
-          if a.gc_freeze else "") + (" (automatic collection off: a collection between turns)" if a.gc_off else ""))
+        line += " (automatic collection off: a collection between turns)"
+    print(line)
     return heap.Collections()
 
 
