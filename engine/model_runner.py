@@ -65,6 +65,53 @@ class _GraphSpan:
         return False
 
 
+def fill_decode_inputs(inputs: np.ndarray, seqs: list[Sequence], block_size: int, scratch_block: int) -> None:
+    """int64 [5, rows] = ids, positions, KV block, KV offset, context lens; rows past `seqs` are padding (token 0
+    at position 0, writing into the scratch block, with no context)."""
+    inputs[:] = 0
+    inputs[2] = scratch_block
+    for i, s in enumerate(seqs):
+        last = len(s) - 1
+        inputs[:, i] = (s.last_token, last, s.block_table[last // block_size], last % block_size, len(s))
+
+
+class GraphInputs:
+    """The decode graphs' inputs, written through host buffers (pinned on CUDA) kept for the engine's life: a pinned
+    copy of each made per step cost the host ~10-20 µs a step on the H200, where the GPU waits for the next step.
+    Every step's ids, positions, KV slots and context lengths go in one copy; block-table rows only where they
+    changed (a sequence's table only grows, and is a new list once its blocks are freed: each row holds the list it
+    copied). On CUDA the buffers are rewritten once the last step's copies ran (an event after them: done by then,
+    as every step but a cancelled one ends with the sampler reading its tokens on the host)."""
+
+    def __init__(self, inputs: torch.Tensor, tables: torch.Tensor, block_size: int, scratch_block: int):
+        self.inputs, self.tables, self.block_size, self.scratch_block = inputs, tables, block_size, scratch_block
+        cuda = inputs.is_cuda
+        self.host_inputs = torch.zeros(inputs.shape, dtype=inputs.dtype, pin_memory=cuda)
+        self.host_tables = torch.zeros(tables.shape, dtype=tables.dtype, pin_memory=cuda)
+        self.rows: list[tuple] = [(None, 0)] * tables.shape[0]   # (block table list, its length) each row holds
+        self.copied = torch.cuda.Event() if cuda else None
+        self.rows_copied = 0                                      # block-table rows copied so far
+
+    def write(self, seqs: list[Sequence]) -> None:
+        if self.copied is not None and not self.copied.query():
+            self.copied.synchronize()
+        fill_decode_inputs(self.host_inputs.numpy(), seqs, self.block_size, self.scratch_block)
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        rows = self.rows
+        changed = [i for i, s in enumerate(seqs) if rows[i][0] is not s.block_table or rows[i][1] != len(s.block_table)]
+        if changed:
+            tables = self.host_tables.numpy()
+            for i in changed:
+                t = rows[i] = seqs[i].block_table, len(seqs[i].block_table)
+                tables[i, :t[1]] = t[0]
+                tables[i, t[1]:] = 0
+            lo, hi = changed[0], changed[-1] + 1
+            self.tables[lo:hi].copy_(self.host_tables[lo:hi], non_blocking=True)
+            self.rows_copied += hi - lo
+        if self.copied is not None:
+            self.copied.record()
+
+
 class ModelRunner:
     plan = None   # no residency plan: every layer's KV is on the device
 
@@ -204,24 +251,15 @@ class ModelRunner:
         last_rows = self._tensor([c - 1 for c in cu_q[1:]])
         return self._tensor(ids), self._tensor(pos), meta, last_rows
 
-    def _decode_host_inputs(self, seqs: list[Sequence], rows: int, width: int):
-        """Decode inputs as two host tensors (pinned on CUDA), padded to `rows` sequences and `width` blocks:
-        int64 [5, rows] = ids, positions, KV block, KV offset, context lens (padding: token 0 at position 0,
-        writing into the scratch block, with no context), and int32 [len(seqs), width] block tables."""
-        bs = self.block_size
-        inputs = np.zeros((5, rows), dtype=np.int64)
-        inputs[2] = self.num_blocks
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            last = len(s) - 1
-            inputs[:, i] = (s.last_token, last, s.block_table[last // bs], last % bs, len(s))
-            tables[i, :len(s.block_table)] = s.block_table
-        pin = self.device.type == "cuda"
-        return (torch.from_numpy(inputs).pin_memory() if pin else torch.from_numpy(inputs),
-                torch.from_numpy(tables).pin_memory() if pin else torch.from_numpy(tables))
-
     def prepare_decode(self, seqs: list[Sequence]):
-        host, tables = self._decode_host_inputs(seqs, len(seqs), max(len(s.block_table) for s in seqs))
+        width = max(len(s.block_table) for s in seqs)
+        inputs, tables = np.empty((5, len(seqs)), dtype=np.int64), np.zeros((len(seqs), width), dtype=np.int32)
+        fill_decode_inputs(inputs, seqs, self.block_size, self.num_blocks)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        host, tables = torch.from_numpy(inputs), torch.from_numpy(tables)
+        if self.device.type == "cuda":
+            host, tables = host.pin_memory(), tables.pin_memory()
         dev = host.to(self.device, non_blocking=True)
         meta = AttnMetadata(False, dev[2:4], block_tables=tables.to(self.device, non_blocking=True), context_lens=dev[4])
         return dev[0], dev[1], meta
@@ -255,10 +293,7 @@ class ModelRunner:
         if rec.detail and graph_bs not in self.traced_graphs:
             self._capture(graph_bs, traced=True)
             self._capture(graph_bs, traced=True)
-        g = self.graph_vars
-        host, tables = self._decode_host_inputs(seqs, g["inputs"].shape[1], self.max_blocks_per_seq)
-        g["inputs"].copy_(host, non_blocking=True)   # two copies in all: inputs (padded rows) and block tables
-        g["block_tables"][:n].copy_(tables, non_blocking=True)
+        self.graph_inputs.write(seqs)
         if rec.detail:  # two traced copies, alternating: the last step's events are read during this one
             pair = self.traced_graphs[graph_bs]
             pair.reverse()
@@ -282,6 +317,8 @@ class ModelRunner:
             "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "logits": torch.zeros(max_bs, self.args.vocab_size, dtype=self.dtype, device=dev),
         }
+        self.graph_inputs = GraphInputs(self.graph_vars["inputs"], self.graph_vars["block_tables"], self.block_size,
+                                        self.num_blocks)
         for b in sorted(sizes, reverse=True):
             self._capture(b, traced=False)
 
