@@ -293,6 +293,7 @@ class ModelRunner:
         if rec.detail and graph_bs not in self.traced_graphs:
             self._capture(graph_bs, traced=True)
             self._capture(graph_bs, traced=True)
+        g = self.graph_vars
         self.graph_inputs.write(seqs)
         if rec.detail:  # two traced copies, alternating: the last step's events are read during this one
             pair = self.traced_graphs[graph_bs]
