@@ -44,7 +44,11 @@ class LayerwiseRunner(OffloadRunner):
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
         self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.chunk_tokens, oe.dbuf)
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
-        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key) if by rows
+        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key, sink kept
+                                                        # on the device: its tokens, 0 if loaded) if by rows
+        self.keep_sink = True          # a plan's sink rows from a device copy (made at prefill), not the host
+        self._sink: torch.Tensor | None = None          # [L, 2, Hkv, sink, D]: each layer's first tokens
+        self._sink_ok = [False] * a.num_layers          # ... made by this sequence's prefill
         self.step_graphs = StepGraphs(self)
         return oe
 
@@ -82,6 +86,8 @@ class LayerwiseRunner(OffloadRunner):
             self._steps += 1
             return self._logits(graphs.h, graphs.residual, ctx)
         start, end = (seq.num_cached_tokens if is_prefill else len(seq) - 1), len(seq)
+        if is_prefill:
+            self._sink_ok = [False] * len(self.model.layers)
         if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
             graphs.begin_token(seq.token_ids[-1], start)
             inputs = graphs.h, graphs.residual, None, None, None
@@ -164,6 +170,8 @@ class LayerwiseRunner(OffloadRunner):
                     if marks:
                         rec.add_event_span(COMPUTE, "mlp", mid, rec.mark(), l)
                 self._after_layer(seq, l, buf, packed, n_host, n_done, start, end, new, kept=graphs is not None)
+                if is_prefill and observe:
+                    self._keep_sink(l, buf, end)
                 if marks:
                     mark = rec.mark()
                     rec.add_event_span(COMPUTE, model.layer_names[l], began, mark, l, slot=slot)
@@ -217,6 +225,8 @@ class LayerwiseRunner(OffloadRunner):
                 oe.buffers[buf][n_host].copy_(oe.dbuf[l])
             return (n_host, start % bs), end
         n_rows, tail = packed[1], packed[2]
+        if packed[4]:                                # the sink: from its device copy (nothing was loaded)
+            oe.buffers[buf][0, :, :, :packed[4]].copy_(self._sink[l])
         partial = end - n_host * bs                  # tokens of the block being filled, the new one included
         self._copy_tokens(oe.buffers[buf], n_rows, oe.dbuf[l], partial - tail, partial - 1)
         f = n_rows + tail - 1
@@ -283,8 +293,30 @@ class LayerwiseRunner(OffloadRunner):
             return
         if self._packed[buf] is not None and self._packed[buf][3] == plan.key:
             return                   # already loaded (the previous step's prefetch)
-        self.oe.load_rows(buf, layer, plan.rows, plan.moved)
-        self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key)
+        sink = plan.sink if (self.keep_sink and plan.sink and plan.moved == plan.sink and self._sink_ok[layer]
+                             and self._sink.shape[3] == plan.sink) else 0   # (keep_sink off: tools' A/B)
+        if sink:                     # the plan's only host rows are the sink, which is on the device already
+            self.oe.packing(buf)
+        else:
+            self.oe.load_rows(buf, layer, plan.rows, plan.moved)
+        self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key, sink)
+
+    def _keep_sink(self, l: int, buf: int, end: int) -> None:
+        """Prefill: layer l's first tokens (the sink every load plan starts with), from its buffer to a device copy.
+        A decode step whose plan for a layer moves nothing else from the host then loads nothing: a load launched
+        from Python for the sink alone cost ~0.1 ms of host time a layer (Quest at 128K on an H200, where the
+        correction fetches every page and the window is on the device), more than its 32 KB take on PCIe. Where
+        the host sets the pace that shows (Quest look_ahead at 128K: 20.5 -> 18.0 ms/step, one process, steps
+        alternating); where the GPU does, it does not (without look_ahead 14.0 -> 14.1)."""
+        s = self.policy.sink
+        if not self.keep_sink or not 0 < s <= min(end, self.block_size):
+            return
+        if self._sink is None or self._sink.shape[3] != s:
+            a = self.args
+            self._sink = torch.empty((a.num_layers, 2, a.num_kv_heads, s, a.head_dim), dtype=self.dtype,
+                                     device=self.device)
+        self._sink[l].copy_(self.oe.buffers[buf][0, :, :, :s])
+        self._sink_ok[l] = True
 
     def prefetch_next(self, seq: Sequence, ctx: StepContext) -> None:
         """The next decode step's first loads, into the slots of this step's last streamed layers (after a step

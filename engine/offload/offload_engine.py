@@ -229,9 +229,7 @@ class OffloadEngine:
         if cuda:  # made on the compute stream, used on the copy stream: keep it alive there
             rows.record_stream(self.h2d.stream)
         gather = gather_rows if cuda else gather_rows_reference
-        self.held[buf] = {}                                              # packed rows: no whole blocks held
-        self.owner[buf] = None
-        self._same[buf] = None
+        self.packing(buf)
         nbytes = hkv * (n if moved is None else moved) * two * d * self.dtype.itemsize   # moved: rows not -1
         slot = buf if buf < self.ring_slots else None
         self.loaded[buf] = self.h2d.run(lambda: gather(src, dst, rows),
@@ -240,6 +238,12 @@ class OffloadEngine:
                                         recorder=self.recorder, name=f"load L{layer} rows", layer=layer, slot=slot,
                                         nbytes=nbytes, compute=self.compute, tokens=n, **trace)
         self.bytes_h2d += nbytes
+
+    def packing(self, buf: int) -> None:
+        """The buffer is about to hold packed rows (load_rows, or rows placed by compute): no whole blocks."""
+        self.held[buf] = {}
+        self.owner[buf] = None
+        self._same[buf] = None
 
     def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor, ahead: bool = False) -> None:
         """Host-pool rows -> packed positions dst_rows of a loaded buffer, on the compute stream (a correction

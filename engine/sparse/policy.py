@@ -60,6 +60,8 @@ class LoadPlan:
     device_tail: int
     key: tuple
     moved: int | None = None     # rows per kv head that are not -1 (None: all): the bytes the load moves
+    sink: int = 0                # the first rows are the sequence's first `sink` tokens at every step: a runner may
+                                 # keep those on the device and, where they are all a load would move, skip it
 
 
 @dataclass
@@ -73,6 +75,7 @@ class RowFix:
 class SparsePolicy:
     spec: PolicySpec = SPECS["full"]
     plans_loads = False          # decode: the runner asks plan_load / shows observe_query each layer's query
+    sink = 0                     # plans_loads: the first tokens every plan starts with (LoadPlan.sink)
     wants_layer_keys = False     # observe_query needs ctx.layer_keys() (all of the layer's keys; slow)
     looks_ahead = False          # layerwise decode: observe_ahead gets each next layer's guessed query
     one_call_bytes = 2**29       # dense prefill: q up to 512 MiB (32K tokens of Qwen3-4B) in one call

@@ -231,7 +231,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             self._slots[layer].fill_(-1)
         plan = self._plan if spec else self._bare
         return LoadPlan(plan[par, layer, :, :self.token_budget - tail], tail,
-                        ("quest", layer, chosen[0], context_len, spec), None if spec else base)
+                        ("quest", layer, chosen[0], context_len, spec), None if spec else base, S)
 
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
         """This step's query of `layer` (q [Hq, D]), before its attention: choose the pages among the candidates;

@@ -251,3 +251,28 @@ def test_a_switch_keeps_the_cached_prefill_kv_and_drops_what_a_sparse_decode_wro
     assert switched.token_ids == fresh.token_ids
     assert answer.stats.cached_tokens == 704                       # the prompt's 11 full blocks, all prefill's
     assert back.stats.cached_tokens == 704                         # not block 11: Quest's decode wrote tokens 740-767
+
+
+@pytest.mark.parametrize("policy, params", [
+    ("quest", {"token_budget": 96, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0}),
+    ("streamingllm", {"sink": 16, "window": 40})])
+def test_a_plan_of_the_sink_alone_loads_nothing_and_answers_alike(tmp_path, policy, params):
+    """Where a layer's plan would move only the sink from the host (the window is on the device, no page is
+    speculated), the sink comes from the device copy made at prefill: the same tokens as loading it, fewer bytes,
+    and exactly the sink's bytes fewer for each layer that skipped its load."""
+    from tests.engine.tiny import tiny_model
+    tiny_model("qwen3", tmp_path)
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = []
+    for keep in (True, False):
+        with LLM(str(tmp_path), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=400, ring_slots=1,
+                 policy=policy, policy_params=params) as llm:        # (one slot: the layers take turns in it)
+            llm.runner.keep_sink = keep
+            out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+            a = llm.args
+            sink_bytes = llm.runner.policy.sink * a.num_kv_heads * 2 * a.head_dim * 4    # K and V, fp32
+            runs.append((out.token_ids, out.stats.bytes_h2d, llm.runner._sink_ok))
+    (kept, b_kept, ok), (loaded, b_loaded, _) = runs
+    assert kept == loaded and all(ok)
+    saved = b_loaded - b_kept
+    assert saved > 0 and saved % sink_bytes == 0
