@@ -9,7 +9,8 @@ Per layer l (buffer = its resident buffer, or ring slot j % N for the j-th strea
   -> release the buffer and load the layer N streamed layers ahead into it (at decode, wrapping around to the
      next step's first layers, so the next token's loads start while this one computes).
 At decode a load-planning policy (Quest) may ask for pages instead of whole blocks: they are packed into the
-buffer's first positions, the partly filled block after them. On CUDA each decode layer's compute is one
+buffer's first positions, the partly filled block after them; where a plan's only host rows are the sink, nothing is
+loaded and the sink comes from the device copy each layer made at prefill. On CUDA each decode layer's compute is one
 CUDA graph replay (engine/offload/decode_graphs.py). Prefill reads nothing from the host unless the prompt
 starts with cached blocks (prefix cache).
 """
