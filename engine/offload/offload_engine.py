@@ -241,9 +241,7 @@ class OffloadEngine:
 
     def packing(self, buf: int) -> None:
         """The buffer is about to hold packed rows (load_rows, or rows placed by compute): no whole blocks."""
-        self.held[buf] = {}
-        self.owner[buf] = None
-        self._same[buf] = None
+        self.held[buf], self.owner[buf], self._same[buf] = {}, None, None
 
     def fix_rows(self, buf: int, layer: int, rows: torch.Tensor, dst_rows: torch.Tensor, ahead: bool = False) -> None:
         """Host-pool rows -> packed positions dst_rows of a loaded buffer, on the compute stream (a correction
