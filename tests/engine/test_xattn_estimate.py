@@ -51,9 +51,9 @@ def test_reference_equals_the_definition(tq, tk, s, b):
 
 
 def test_a_bfloat16_matmul_keeps_the_shares_and_the_choice():
-    """The CPU estimate where the CPU has AMX (`cpu_matmul_dtype`): the scores' matmul in bfloat16, the softmax and
-    the sums in float32. Its shares stay within bf16's rounding of the definition's, and the choice of a prompt
-    with a few strong keys (the sink, a vertical line) is the float32 choice."""
+    """The CPU estimate where the CPU multiplies bfloat16 in hardware (`cpu_matmul_dtype`: AMX or AVX-512 BF16): the
+    scores' matmul in bfloat16, the softmax and the sums in float32. Its shares stay within bf16's rounding of the
+    definition's, and the choice of a prompt with a few strong keys (the sink, a vertical line) is the float32 choice."""
     from engine.ops.xattn_estimate import cpu_matmul_dtype, select_blocks_reference
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(40, 4, 8, generator=g), torch.randn(40, 2, 8, generator=g)
