@@ -6,7 +6,8 @@ One engine (the default model unless `--model`, gpu mode) prefills `--length` to
 (repeated as needed) once per policy per round, the policies alternating, with each layer's attention call timed by
 hand (perf_counter around it, the device synchronised on CUDA): dense causal attention in the engine's own call, a
 sparse prefill policy's whole `prefill_attention` (its estimate, its table and its attention; a layer its gate runs
-dense included). The rest (projections, MLP, norms, rotary, sampling) is the prefill's time less that. Medians per
+dense included), and within it the policy's `estimate` (the index building: MInference's vertical-slash estimate,
+XAttention's antidiagonal scoring), timed the same way. The rest (projections, MLP, norms, rotary, sampling) is the prefill's time less that. Medians per
 policy, each sparse one's speed-up over the first policy of the list, and the ceiling: the speed-up its attention
 would give if the rest cost what it costs now, and what the attention's share of dense would have to be for 1.5x.
 Time to first token here is the wall time of `generate(max_tokens=1)`.
@@ -40,18 +41,20 @@ def main(argv=None) -> int:
     from engine import LLM, SamplingParams
     from engine.defaults import default_model_dir
     from engine.sparse import parse_policy_spec
+    from engine.sparse.minference import MInferencePolicy
     from engine.sparse.policy import SparsePrefillPolicy
+    from engine.sparse.xattention import XAttentionPolicy
 
     policies = parse_policy_spec(args.policies)
-    spent = [0.0]
+    spent = [0.0, 0.0]      # attention, of which the estimate
 
-    def timed(fn):
+    def timed(fn, i=0):
         def run(*a, **k):
             sync()
             t = time.perf_counter()
             out = fn(*a, **k)
             sync()
-            spent[0] += time.perf_counter() - t
+            spent[i] += time.perf_counter() - t
             return out
         return run
 
@@ -61,32 +64,38 @@ def main(argv=None) -> int:
     dense, sparse = ops.causal_attention, SparsePrefillPolicy.prefill_attention
     ops.causal_attention = timed(dense)                                     # the dense path's one call per layer
     SparsePrefillPolicy.prefill_attention = timed(sparse)                   # a sparse layer, whole
+    estimates = {cls: cls.estimate for cls in (MInferencePolicy, XAttentionPolicy)}
+    for cls, fn in estimates.items():
+        cls.estimate = timed(fn, 1)                                         # ... and its estimate within it
     text = llm.tokenizer.encode(Path(SAMPLE).read_text(encoding="utf-8"))
     ids = (text * (1 + args.length // len(text)))[:args.length]
-    runs: dict[str, list[tuple[float, float]]] = {}
+    runs: dict[str, list[tuple[float, float, float]]] = {}
     density: dict[str, float | None] = {}
     try:
         for _ in range(args.repeats + 1):                                   # the first round warms up, untimed
             for label, (name, params) in zip(args.policies.split(","), policies):
                 llm.set_policy(name, params)
-                spent[0] = 0.0
+                spent[:] = [0.0, 0.0]
                 sync()
                 t = time.perf_counter()
                 out = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
                 sync()
-                runs.setdefault(label, []).append((time.perf_counter() - t, spent[0]))
+                runs.setdefault(label, []).append((time.perf_counter() - t, *spent))
                 density[label] = out.stats.policy_stats.get("density")
     finally:
         ops.causal_attention, SparsePrefillPolicy.prefill_attention = dense, sparse
+        for cls, fn in estimates.items():
+            cls.estimate = fn
         llm.close()
     base = None
     print(f"{args.length} tokens, {llm.device.type}, medians of {args.repeats} (s): total = attention + rest")
     for label, got in runs.items():
         got = got[1:]
-        total, attn = statistics.median(t for t, _ in got), statistics.median(a for _, a in got)
-        rest = statistics.median(t - a for t, a in got)
+        total, attn = statistics.median(t for t, _, _ in got), statistics.median(a for _, a, _ in got)
+        rest, est = statistics.median(t - a for t, a, _ in got), statistics.median(e for _, _, e in got)
         d = f", density {density[label]:.3f}" if density[label] is not None else ""
-        line = f"  {label}: {total:.2f} = {attn:.2f} + {rest:.2f}{d}"
+        e = f", estimate {est:.3f} ({est / total:.1%} of the prefill)" if est else ""
+        line = f"  {label}: {total:.2f} = {attn:.2f} + {rest:.2f}{d}{e}"
         if base is None:
             base = (total, attn, rest)
             need = (total / args.goal - rest) / attn
