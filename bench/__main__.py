@@ -111,6 +111,7 @@ def _main(argv=None) -> int:
         n = max(lengths)
         measures.append(("  GPU only, graph replay (ms)", lambda e: 1e3 * e.decode_graph_s(n) if e is gpu else None))
     rows: dict[str, dict[str, float]] = {}
+    raw: dict[str, dict[str, list[float]]] = {}      # every repeat's value, for the paired ratios
     for what, fn in measures:  # engines alternate within each repeat, so drift hits all alike
         print(f"# {what}", file=sys.stderr, flush=True)
         samples: dict[str, list[float]] = {e.name: [] for e in engines}
@@ -122,6 +123,7 @@ def _main(argv=None) -> int:
                 if value is not None:
                     samples[e.name].append(value)
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
+        raw[what] = samples
     extra = _offload_details(ours, lengths, steps, phases)
     first = ours[0].llm
     desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
@@ -132,8 +134,8 @@ def _main(argv=None) -> int:
         e.close()
     gc.collect()
 
-    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating; decode timed over {steps} "
-          f"tokens ({args.hf_offloaded} for hf-offloaded)\n")
+    print(f"\n{desc}\nmedian of {args.repeats} runs after a warm-up, engines alternating (paired: the median of the "
+          f"runs' own ratios); decode timed over {steps} tokens ({args.hf_offloaded} for hf-offloaded)\n")
     names = [e.name for e in engines]
     w = {n: max(14, len(n) + 2) for n in names}
     print(f"{'':28}" + "".join(f"{n:>{w[n]}}" for n in names))
@@ -145,8 +147,8 @@ def _main(argv=None) -> int:
             if other == "kvscope" and "kvscope" in vals:
                 line += "".join(f"   {n} {_ratio(vals[n], vals['kvscope'], what)}" for n in vals
                                 if n in ("layerwise", "chunked"))
-        line += "".join(f"   {n} {_ratio(vals[n], vals[n.split('+')[0]], what)} vs {n.split('+')[0]}" for n in vals
-                        if "+" in n and not n.endswith("+trace") and n.split("+")[0] in vals)
+        line += "".join(f"   {n} {_ratio(vals[n], vals[b], what)} vs {b}{paired(raw[what][n], raw[what][b], what)}"
+                        for n in vals if "+" in n and not n.endswith("+trace") and (b := n.split("+")[0]) in vals)
         if "hf-offloaded" in vals and "layerwise" in vals:
             line += f"   layerwise {_ratio(vals['layerwise'], vals['hf-offloaded'], what)} vs hf-offloaded"
         for n in [n for n in vals if n.endswith("+trace") and n.removesuffix("+trace") in vals]:
@@ -158,13 +160,23 @@ def _main(argv=None) -> int:
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": desc, "rows": rows, "offload": extra["data"]}, f, indent=2)
+            json.dump({"setup": desc, "rows": rows, "repeats": raw, "offload": extra["data"]}, f, indent=2)
     return 0
 
 
 def _ratio(ours: float, other: float, what: str) -> str:
     r = ours / other if "tok/s" in what else other / ours
     return f"{r:.2f}x {'faster' if r >= 1 else 'slower'}"
+
+
+def paired(ours: list[float], other: list[float], what: str) -> str:
+    """The median of the repeats' own ratios (each repeat runs the engines back to back, so a host that drifts
+    between repeats moves both sides of a ratio alike; the ratio of the medians can pair a fast repeat with a slow
+    one), as text; empty where the two do not have a value for every repeat."""
+    if len(ours) != len(other) or len(ours) < 2:
+        return ""
+    r = statistics.median(a / b if "tok/s" in what else b / a for a, b in zip(ours, other))
+    return f" (paired {r:.2f}x)"
 
 
 PCIE_GBPS = 53.5  # pinned H2D on the H100 of DESIGN.md §5
