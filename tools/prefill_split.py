@@ -7,9 +7,10 @@ One engine (the default model unless `--model`, gpu mode) prefills `--length` to
 hand (perf_counter around it, the device synchronised on CUDA): dense causal attention in the engine's own call, a
 sparse prefill policy's whole `prefill_attention` (its estimate, its table and its attention; a layer its gate runs
 dense included), and within it the policy's `estimate` (the index building: MInference's vertical-slash estimate,
-XAttention's antidiagonal scoring), timed the same way. The rest (projections, MLP, norms, rotary, sampling) is the prefill's time less that. Medians per
-policy, each sparse one's speed-up over the first policy of the list, and the ceiling: the speed-up its attention
-would give if the rest cost what it costs now, and what the attention's share of dense would have to be for 1.5x.
+XAttention's antidiagonal scoring), timed the same way. The rest (projections, MLP, norms, rotary, sampling) is the
+prefill's time less that. Medians per policy, each sparse one's speed-up over the first policy of the list, and the
+ceiling: the speed-up its attention would give if the rest cost what it costs now, and what the attention's share of
+dense would have to be for 1.5x.
 Time to first token here is the wall time of `generate(max_tokens=1)`.
 """
 from __future__ import annotations

@@ -15,7 +15,8 @@ def test_the_split_adds_up_and_names_the_sparse_policys_share(capsys):
     before = ops.causal_attention, SparsePrefillPolicy.prefill_attention, XAttentionPolicy.estimate
     assert prefill_split.main(["--length", "1024", "--repeats", "1", "--policies",
                                "full,xattention:min_len=512:cpu_dense_above=1"]) == 0
-    assert (ops.causal_attention, SparsePrefillPolicy.prefill_attention, XAttentionPolicy.estimate) == before  # unwrapped
+    after = ops.causal_attention, SparsePrefillPolicy.prefill_attention, XAttentionPolicy.estimate
+    assert after == before                                                 # nothing left wrapped
     out = capsys.readouterr().out
     rows = {m[0]: tuple(float(x) for x in m[1:4]) for m in
             re.findall(r"^  (\S+): ([\d.]+) = ([\d.]+) \+ ([\d.]+)", out, re.M)}
