@@ -192,14 +192,18 @@ class MainWindow(QMainWindow):
         self.requests.add(kind)
         signal.emit(*args)
 
-    @Slot(str)
-    def send(self, question: str) -> None:
-        """Ask `question` (ChatView has shown it already); a changed engine config reloads the model first."""
+    def _ask(self, signal, question: str) -> None:
+        """`question` to the worker through `signal`, a changed engine config's reload first; the answer begins."""
         config = self._engine_config()
         if config != self.worker.engine_config:
             self._request("load", self.request_load, config)
-        self._request("ask", self.request_ask, question, self.chat.sampling(), self.chat.system_prompt())
+        self._request("ask", signal, question, self.chat.sampling(), self.chat.system_prompt())
         self.chat.begin_answer()
+
+    @Slot(str)
+    def send(self, question: str) -> None:
+        """Ask `question` (ChatView has shown it already); a changed engine config reloads the model first."""
+        self._ask(self.request_ask, question)
 
     def ask_again(self) -> bool:
         """The last question again with the panel's settings now (the model reloads or the policy switches
@@ -208,13 +212,9 @@ class MainWindow(QMainWindow):
         if self.is_busy() or not self.conversation.turns or self.options.get("recording") is not None:
             return False
         question = self.conversation.turns[-1]["question"]
-        config = self._engine_config()
-        if config != self.worker.engine_config:
-            self._request("load", self.request_load, config)
         self.compare_with = len(self.conversation.turns) - 1
         self.chat.add_user_message(question)
-        self._request("ask", self.request_ask_again, question, self.chat.sampling(), self.chat.system_prompt())
-        self.chat.begin_answer()
+        self._ask(self.request_ask_again, question)
         return True
 
     @Slot()
