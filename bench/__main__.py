@@ -153,7 +153,7 @@ def _main(argv=None) -> int:
             line += f"   layerwise {_ratio(vals['layerwise'], vals['hf-offloaded'], what)} vs hf-offloaded"
         for n in [n for n in vals if n.endswith("+trace") and n.removesuffix("+trace") in vals]:
             base = n.removesuffix("+trace")
-            cost = vals[base] / vals[n] if "tok/s" in what else vals[n] / vals[base]
+            cost = _speedup(vals[base], vals[n], what)          # the untraced run against the traced
             line += f"   tracing costs {base} {100 * (cost - 1):+.1f}%"
         print(line)
     for line in extra["lines"]:
@@ -164,8 +164,12 @@ def _main(argv=None) -> int:
     return 0
 
 
+def _speedup(ours: float, other: float, what: str) -> float:
+    return ours / other if "tok/s" in what else other / ours      # rates: higher is faster; times: lower
+
+
 def _ratio(ours: float, other: float, what: str) -> str:
-    r = ours / other if "tok/s" in what else other / ours
+    r = _speedup(ours, other, what)
     return f"{r:.2f}x {'faster' if r >= 1 else 'slower'}"
 
 
@@ -175,8 +179,7 @@ def paired(ours: list[float], other: list[float], what: str) -> str:
     one), as text; empty where the two do not have a value for every repeat."""
     if len(ours) != len(other) or len(ours) < 2:
         return ""
-    r = statistics.median(a / b if "tok/s" in what else b / a for a, b in zip(ours, other))
-    return f" (paired {r:.2f}x)"
+    return f" (paired {statistics.median(_speedup(a, b, what) for a, b in zip(ours, other)):.2f}x)"
 
 
 PCIE_GBPS = 53.5  # pinned H2D on the H100 of DESIGN.md §5

@@ -3,7 +3,7 @@ from bench.__main__ import _ratio, paired
 
 
 def test_a_paired_ratio_follows_each_repeat_not_the_medians():
-    # a host that drifts: each repeat the variant is 1.5x its base, but the base's median comes from a slow repeat
+    # a host that drifts between repeats: in each one the variant is 1.5x its base
     base = [100.0, 60.0, 200.0]                       # tok/s
     variant = [150.0, 90.0, 300.0]
     assert _ratio(150.0, 100.0, "prefill 7000 (tok/s)") == "1.50x faster"
