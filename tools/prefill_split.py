@@ -41,10 +41,8 @@ def main(argv=None) -> int:
     from app.samples import SAMPLE
     from engine import LLM, SamplingParams
     from engine.defaults import default_model_dir
-    from engine.sparse import parse_policy_spec
-    from engine.sparse.minference import MInferencePolicy
+    from engine.sparse import parse_policy_spec, policy_class
     from engine.sparse.policy import SparsePrefillPolicy
-    from engine.sparse.xattention import XAttentionPolicy
 
     policies = parse_policy_spec(args.policies)
     spent = [0.0, 0.0]      # attention, of which the estimate
@@ -65,7 +63,9 @@ def main(argv=None) -> int:
     dense, sparse = ops.causal_attention, SparsePrefillPolicy.prefill_attention
     ops.causal_attention = timed(dense)                                     # the dense path's one call per layer
     SparsePrefillPolicy.prefill_attention = timed(sparse)                   # a sparse layer, whole
-    estimates = {cls: cls.estimate for cls in (MInferencePolicy, XAttentionPolicy)}
+    prefill = [cls for cls in map(policy_class, (name for name, _ in policies)) if issubclass(cls, SparsePrefillPolicy)]
+    owners = {next(c for c in cls.__mro__ if "estimate" in c.__dict__) for cls in prefill}   # (inherited: its owner)
+    estimates = {cls: cls.estimate for cls in owners - {SparsePrefillPolicy}}
     for cls, fn in estimates.items():
         cls.estimate = timed(fn, 1)                                         # ... and its estimate within it
     text = llm.tokenizer.encode(Path(SAMPLE).read_text(encoding="utf-8"))
