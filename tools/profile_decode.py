@@ -59,6 +59,8 @@ def main() -> None:
                    "means the GPU's own chain sets the pace")
     p.add_argument("--host", action="store_true", help="with --wall: the host time per step of the layer loop's "
                    "parts (HOST_PARTS), each timed around its call (inclusive, so nested parts count in both)")
+    p.add_argument("--ops-out", default=None, help="with --split: save the profiled GPU ops and CUDA runtime calls "
+                   "(JSON) to study the gaps")
     p.add_argument("--trace", action="store_true", help="with a recorder on, as the app records (LIVE_DETAIL_HZ)")
     p.add_argument("--no-step-graphs", action="store_true", help="layerwise: no whole-step CUDA graphs (recorded "
                    "where >= 32 steps alike may follow: engine/offload/step_graphs.py)")
@@ -117,7 +119,7 @@ def main() -> None:
         if a.syncs:
             sync_report(prof, a.steps)
         if a.split:
-            split_report(prof, a.steps, wall_ms, getattr(llm.runner, "last_step_bytes", (0, 0))[0])
+            split_report(prof, a.steps, wall_ms, getattr(llm.runner, "last_step_bytes", (0, 0))[0], a.ops_out)
         return
     with profile(activities=acts) as prof:
         for _ in range(a.steps):
@@ -343,7 +345,7 @@ KERNEL_PARTS = (("score (page bounds, sketch)", ("_page_bounds_kernel", "_sketch
 PCIE_GBS = 53.5   # the H100 machine's pinned host-to-device copy pace, 1 GiB (DESIGN.md)
 
 
-def split_report(prof, steps: int, wall_ms: float, h2d_bytes: int) -> None:
+def split_report(prof, steps: int, wall_ms: float, h2d_bytes: int, ops_out: str | None = None) -> None:
     """Each GPU kernel's (and copy's) time per step by part (KERNEL_PARTS), the compute stream's busy time, and the
     step's host-to-device bytes at PCIe's pace: the copy floor."""
     import os
@@ -353,6 +355,10 @@ def split_report(prof, steps: int, wall_ms: float, h2d_bytes: int) -> None:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
+    if ops_out:                      # the GPU's ops and the host's runtime calls, to study the gaps offline
+        with open(ops_out, "w") as f:
+            json.dump([e for e in events if e.get("ph") == "X" and e.get("cat") in
+                       ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver")], f)
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     totals: dict[str, float] = {}
     streams: dict = {}
@@ -368,6 +374,24 @@ def split_report(prof, steps: int, wall_ms: float, h2d_bytes: int) -> None:
         print(f"  {name:45} {ms / steps:8.3f} ms")
     print(f"  host-to-device {h2d_bytes / 1e6:.1f} MB in the last step: {h2d_bytes / PCIE_GBS / 1e6:.2f} ms at "
           f"{PCIE_GBS:g} GB/s (the copy floor)")
+    gaps_report([e for e in ops if e["tid"] == max(streams, key=streams.get)], steps)
+
+
+def gaps_report(ops: list, steps: int, rows: int = 10) -> None:
+    """Where the busiest stream waits: its idle time between two ops, by the pair of kernels around it (a wait for
+    another stream's copy, for the host's next launch, or the step's end and the sampler's sync)."""
+    ops = sorted(ops, key=lambda e: e["ts"])
+    short = lambda e: e["name"].split("(")[0].split("<")[0][-40:]           # noqa: E731
+    by_pair: dict[tuple, list] = {}
+    for a, b in zip(ops, ops[1:]):
+        gap = b["ts"] - a["ts"] - a["dur"]
+        if gap > 1.0:                                                          # µs
+            by_pair.setdefault((short(a), short(b)), []).append(gap)
+    total = sum(sum(g) for g in by_pair.values())
+    print(f"  the busiest stream idle {total / steps / 1e3:.2f} ms a step between its ops (gaps > 1 us), by the ops "
+          "around the gap:")
+    for (a, b), g in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"    {sum(g) / steps:8.1f} us ({len(g) / steps:5.1f} a step)  {a} -> {b}")
 
 
 if __name__ == "__main__":

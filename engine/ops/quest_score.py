@@ -25,6 +25,7 @@ except ImportError:  # CPU-only installs use the reference
 PAGES = 64   # pages per program (bounds)
 SKETCH_PAGES = 32   # pages per program (sketch: each page's page_size keys of r values are read; H200, 128K, the
                     # sketch's GPU time per step 0.98 ms at 16 pages, 0.95 at 32, 1.03 at 8)
+SKETCH_WARPS = 4    # warps per sketch program (tools/kernel_sweep.py)
 
 
 def page_bounds_reference(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,7 @@ def sketch_scores(keys: torch.Tensor, qr: torch.Tensor, pages: torch.Tensor, val
     _sketch_scores_kernel[(hkv, triton.cdiv(n, SKETCH_PAGES))](
         keys, qr, pages, valid.view(torch.uint8), _live(live, n, qr.device), out, n, keys.stride(0), keys.stride(1),
         qr.stride(0), qr.stride(1), out.stride(0), out.stride(1), G=g, R=r, RP=triton.next_power_of_2(r), PS=page_size,
-        PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, num_warps=4)
+        PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, num_warps=SKETCH_WARPS)
     return out
 
 

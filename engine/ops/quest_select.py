@@ -32,6 +32,7 @@ except ImportError:  # CPU-only installs use the torch versions
     triton = None
 
 CHUNK = 512   # pages per program of the choice's first two kernels (H100: 256 and 1024 were slower)
+CHOOSE_WARPS, CORRECT_WARPS = 4, 8   # warps per program (tools/kernel_sweep.py)
 
 
 def choose_reference(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor):
@@ -250,13 +251,13 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
     stats = torch.empty(hkv, nc, 2, gp, dtype=torch.float32, device=b.device)
     cand = torch.empty(hkv, nc, 2, kp, dtype=torch.int32, device=b.device)       # (key, page) per chunk
     _stats_kernel[(hkv, nc)](b, stats, live, n, scale, b.stride(0), b.stride(1), stats.stride(0), stats.stride(1),
-                             G=g, GP=gp, C=CHUNK, num_warps=4)
+                             G=g, GP=gp, C=CHUNK, num_warps=CHOOSE_WARPS)
     _chunk_kernel[(hkv, nc)](b, stats, scratch, cand, live, n, k, scale, b.stride(0), b.stride(1), stats.stride(0),
                              stats.stride(1), cand.stride(0), cand.stride(1), scratch.stride(0), G=g, GP=gp, C=CHUNK,
-                             NC=nc, NCP=triton.next_power_of_2(nc), KP=kp, HI=hi, ITERS=iters, num_warps=4)
+                             NC=nc, NCP=triton.next_power_of_2(nc), KP=kp, HI=hi, ITERS=iters, num_warps=CHOOSE_WARPS)
     _merge_kernel[(hkv,)](cand, scratch, pages, scores, prev, kept, live, n, k, cand.stride(0), scratch.stride(0),
                           pages.stride(0), scores.stride(0), prev.stride(0), NC=nc, KP=kp, NP=np2, NT=nt, HI=hi,
-                          ITERS=iters, num_warps=4)
+                          ITERS=iters, num_warps=CHOOSE_WARPS)
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,
@@ -275,5 +276,5 @@ def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tens
     _correct_kernel[(hkv,)](new, slots, page_ids, base, n_rows, rows, dst, count, p, par, col, k, new.stride(0),
                             slots.stride(0), rows.stride(0), dst.stride(0), p.stride(0), p.stride(1),
                             KP=triton.next_power_of_2(k), PS=page_size, PSP=triton.next_power_of_2(page_size),
-                            PLAN=plan is not None, num_warps=8)
+                            PLAN=plan is not None, num_warps=CORRECT_WARPS)
     return plan is not None

@@ -31,6 +31,7 @@ PROGRAMS = 32   # programs looping over the chunks (see the module docstring)
 # there and more here give the correction more of PCIe (H200, Quest look_ahead at 32K: 16 and 64 17.1 ms/token,
 # 32 and 32 18.7; without look_ahead 32 or 128 here made no difference).
 AHEAD_PROGRAMS, FIX_PROGRAMS = 16, 64
+WARPS = 4       # warps per program
 
 
 def gather_rows_reference(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
@@ -89,12 +90,12 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, dst_ro
             *dst.stride()[:4], src.shape[3], ROWS, src.shape[4], dst_rows is not rows)
     grid = (min(chunks, programs),)
     key = (src.device, src.dtype, dst.dtype, rows.dtype, dst_rows.dtype, *(t.data_ptr() % 16 for t in args[:4]),
-           *args[6:])
+           *args[6:], WARPS)
     kernel = _COMPILED.get(key)
     if kernel is not None:
         kernel[grid + (1, 1)](*args)             # (the compiled launcher takes all three grid sizes)
         return
-    kernel = _gather_rows_kernel[grid](*args, num_warps=4)
+    kernel = _gather_rows_kernel[grid](*args, num_warps=WARPS)
     if DIRECT_LAUNCH and hasattr(kernel, "__getitem__"):       # (not under the interpreter)
         _COMPILED[key] = kernel
 

@@ -17,7 +17,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(37, 256), (8, 200), (5, 8192 + 512)])   # ragged rows; K off every tile; long K
+@pytest.mark.parametrize("n,k", [(37, 256), (8, 200), (5, 8192 + 512), (4100, 512)])   # ragged rows; K off every
+# tile; long K; a tall matrix (8 rows a program, the last program's rows past n)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_linear(dtype, n, k, bias):
     torch.manual_seed(0)
