@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.errors import OutOfMemoryError
 from engine.layers.sampler import Sampler
 from engine.models.llama import CausalLM
-from engine.ops.attention import AttnMetadata, decode_attention, prefill_attention, store_kv
+from engine.ops.attention import AttnMetadata, decode_attention, prefill_attention
+from engine.ops.store_tokens import store_tokens
 from engine.sequence import Sequence
 from engine.sparse.policy import SparsePolicy, attach
 from engine.step import QUIET, StepContext
@@ -154,7 +155,7 @@ class ModelRunner:
 
         def attend(i: int, q, k, v):
             kc, vc = self.k_caches[i], self.v_caches[i]
-            store_kv(k, v, kc, vc, meta.slots)
+            store_tokens(k, v, kc, vc, meta.slots)
             if meta.is_prefill:
                 sparse = None if policy is None else (
                     lambda qi, ki, vi: policy.prefill_attention(qi, ki, vi, i, self.scale, ctx))

@@ -33,7 +33,8 @@ import torch
 
 from engine.models.llama import CausalLM
 from engine.offload import child_graph
-from engine.ops.attention import decode_attention, store_kv
+from engine.ops.attention import decode_attention
+from engine.ops.store_tokens import store_tokens
 
 STAGING_ROWS = 64   # pinned rows reused round robin: a step stages at most a few, and each step ends in a sync
 INPUTS = (None, None, None, "inputs")   # the graph key of begin_token's (layer keys: (layer, buffer, layout, part))
@@ -196,10 +197,8 @@ class DecodeGraphs:
             keep = None if self.dbuf is None else self.dbuf[layer].transpose(1, 2)    # [2, block_size, Hkv, D]
             at = self.meta[v, 3:4]
 
-            def store(k, v_, a, b):
-                store_kv(k, v_, K, V, slots)
-                if keep is not None:                                  # the decode buffer's copy of the new token
-                    keep[0][at], keep[1][at] = k, v_
+            def store(k, v_, a, b):                                   # (and the decode buffer's copy of it)
+                store_tokens(k, v_, K, V, slots, keep, at)
             q = mod.qkv_rows(self.h, self.residual, (self.cos, self.sin), store, self.chunk)
             self.q.copy_(q)
             if part == "guess" and layer + 1 < len(self.model.layers):
