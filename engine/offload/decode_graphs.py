@@ -7,9 +7,9 @@ host time. A graph replays them in one launch. Everything around the compute sta
 on the copy events, the partly filled block copied in, the offloads, the policy's planning, the prefetches.
 A policy that looks at the layer's query before its attention (Quest's correction) splits the layer in two
 graphs: q, k, v and the KV store (and, for a policy that looks ahead, the next layer's query guessed from this
-layer's input: `q_next`); then, after the policy's eager step, the correction's row gather (its rows are the
-policy's static tensors, so the gather is recorded in the graph: one launch fewer per layer), the attention and
-the rest.
+layer's input: `q_next`); then, after the policy's eager step, the correction (Quest's choice, where the policy
+leaves it to the runner, and its row gather: the policy's static tensors, so both are recorded in the graph, two
+launches fewer per layer), the attention and the rest.
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors: hidden state and residual (updated in place layer after layer) and rotary cos/sin,

@@ -155,13 +155,18 @@ class OffloadRunner:
     def _query_fix(self, l: int, buf: int, q: torch.Tensor, ctx: StepContext):
         """Decode: show the policy layer l's query (q [Hq, D]) before its attention -> the correction it asks for
         as (tag, work) for the attention's CUDA graph (engine/offload/decode_graphs.py), or None: work gathers the
-        rows into buffer `buf`; tag names the policy's static tensors it reads, which a graph recording it depends
-        on."""
-        fix = self.policy.observe_query(l, q, ctx)
+        rows into buffer `buf` (first making them, where the policy left its choice to run here: `RowFix.select`);
+        tag names the policy's static tensors it reads, which a graph recording it depends on."""
+        fix = self.policy.observe_query(l, q, ctx, defer=True)
         if fix is None:
             return None
-        return (tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)),
-                lambda: self.oe.fix_rows(buf, l, fix.rows, fix.dst))
+
+        def work() -> None:
+            if fix.select is not None:
+                fix.select()
+            self.oe.fix_rows(buf, l, fix.rows, fix.dst)
+        return (*(tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst))),
+                fix.select is not None), work
 
     def _copy_tokens(self, dst: torch.Tensor, at: int, src: torch.Tensor, a: int, b: int) -> None:
         """Tokens a..b-1 of one block [2, Hkv, bs, D] -> flat token positions at.. of a buffer [blocks, 2, Hkv, bs,

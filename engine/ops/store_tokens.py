@@ -50,7 +50,8 @@ def store_tokens(k, v, k_cache, v_cache, slots, keep=None, at=None, kernel: bool
     """k_cache[slots[0], slots[1]] = k (and v), and keep[:, at] = (k, v) where keep is given (graph-safe, no host
     sync). kernel: take the kernel (None: on CUDA; True: also the interpreter's CPU tensors, for tests)."""
     t, hkv, d = k.shape
-    if (triton is None or not (k.is_cuda if kernel is None else kernel) or t > MAX_TOKENS or (keep is not None and t != 1)
+    use = k.is_cuda if kernel is None else kernel
+    if (triton is None or not use or t > MAX_TOKENS or (keep is not None and t != 1)
             or any(x.stride(-1) != 1 for x in (k, v, k_cache, v_cache) + (() if keep is None else (keep,)))):
         return store_tokens_reference(k, v, k_cache, v_cache, slots, keep, at)
     w = keep if keep is not None else k_cache

@@ -25,6 +25,7 @@ Its parameters are declared in engine/sparse/specs.py (`spec`), validated there 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +68,12 @@ class LoadPlan:
 @dataclass
 class RowFix:
     """A correction of a loaded plan, made with the layer's own query before its attention: host-pool rows
-    [Hkv, m] replace the packed positions `dst` [Hkv, m] (rows of -1: nothing to replace)."""
+    [Hkv, m] replace the packed positions `dst` [Hkv, m] (rows of -1: nothing to replace). `select`, where given,
+    makes rows and dst (the choice, over the policy's static tensors): the runner runs it right before the gather,
+    so that on CUDA both are recorded in the attention's graph (one launch and no graph boundary between them)."""
     rows: torch.Tensor
     dst: torch.Tensor
+    select: Callable[[], None] | None = None
 
 
 class SparsePolicy:
@@ -148,7 +152,9 @@ class SparsePolicy:
         layer it observes is split in two around the policy's choice) and, in chunked mode, the graphed step."""
         return False
 
-    def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+    def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext, defer: bool = False) -> RowFix | None:
+        """`defer`: the caller runs the returned fix's `select` (if any) before its gather; else the choice is made
+        here."""
         return None
 
     def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext, run=None, gather=None) -> RowFix | None:

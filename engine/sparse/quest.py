@@ -32,8 +32,9 @@ holds the lowest-scored chosen page, so what is attended never depends on what w
 
 The decode work has static shapes (every page a sequence can have is scored, non-candidates masked; the step's
 context enters through small device tensors set once per step), so on CUDA a layer's scoring, selection,
-correction and next plan are one graph replay of three kernels (engine/ops/quest_score.py, quest_select.py) and
-nothing in it waits for the host. A plan's rows are kept per context parity (the next step's loads read one copy
+correction and next plan (engine/ops/quest_score.py, quest_select.py) are recorded in a graph, and nothing in it
+waits for the host: where the runner asks (`defer`), in the layer's attention graph with the correction's gather
+(`RowFix.select`), else (the first choice, `recall`, `look_ahead`) in one graph of the policy's own. A plan's rows are kept per context parity (the next step's loads read one copy
 while this step's choices go to the other): [sink | the window's host part | the chosen pages], the last g rows
 of the last page past the plan's end (the truncation above).
 
@@ -233,7 +234,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         return LoadPlan(plan[par, layer, :, :self.token_budget - tail], tail,
                         ("quest", layer, chosen[0], context_len, spec), None if spec else base, S)
 
-    def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext) -> RowFix | None:
+    def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext, defer: bool = False) -> RowFix | None:
         """This step's query of `layer` (q [Hq, D]), before its attention: choose the pages among the candidates;
         where this step loaded a speculation, fetch what it lacks in place of what it no longer wants."""
         end = ctx.context_len
@@ -245,10 +246,15 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         measure = fix and self.measure_recall and ctx.layer_keys is not None
         old = self._slots[layer].clone() if measure else None
         self._q = torch.empty_like(q) if self._q is None else self._q
-        self._q.copy_(q)
         if layer in self._chosen:
             self._chose.append(layer)
-        self._run(layer, "fix" if fix else "choose")
+        select = None                # `defer`: a correction's choice runs with the runner's gather (see RowFix)
+        if defer and fix and not measure and not self.looks_ahead:
+            self.index.prepare(layer)
+            select = lambda: (self._q.copy_(q), self._select(layer, "fix"))     # noqa: E731
+        else:
+            self._q.copy_(q)
+            self._run(layer, "fix" if fix else "choose")
         if measure:
             self._measure_recall(layer, q, old, end, ctx)
         self._version += 1
@@ -258,7 +264,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             self._picked.append(layer)
         if fix:
             self._fixed.append(layer)
-        return RowFix(self._fix_rows, self._fix_dst) if fix else None
+        return RowFix(self._fix_rows, self._fix_dst, select) if fix else None
 
     def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext, run=None, gather=None) -> RowFix | None:
         """A guess of `layer`'s query (q [Hq, D], made one layer early from the residual stream), where this step's

@@ -158,6 +158,32 @@ def test_the_correction_fetches_what_the_current_query_wants():
     assert p.fetched_rows() == rows and p.fetched_rows() == 0       # read once, by the runner
 
 
+def test_a_deferred_correction_chooses_when_the_runner_runs_it():
+    """With `defer` (the runner's path) the choice is left in the fix's `select`, for the runner to run with its
+    gather (one CUDA graph): nothing is chosen before it runs, and after it the fix, the pages and the next plan
+    equal those of a choice made at once."""
+    out = []
+    for defer in (False, True):
+        p = _policy(budget=64)
+        ctx = StepContext(block_table=torch.arange(6), context_len=150)
+        keys = 0.01 * torch.randn(6, 2, 32, 8, generator=torch.Generator().manual_seed(1))
+        keys[1, :, :, 0], keys[3, :, :, 1] = 5.0, 5.0               # pages 2, 3 answer the first query, 6, 7 the second
+        for b in range(6):
+            p.on_kv_written(0, [b], keys[b][None], 0, 32)
+        first, second = torch.zeros(4, 8), torch.zeros(4, 8)
+        first[:, 0], second[:, 1] = 1.0, 1.0
+        assert p.observe_query(0, first, ctx, defer=defer) is None  # no plan loaded: a choice, no fix
+        p.plan_load(0, 150, ctx)
+        fix = p.observe_query(0, second, ctx, defer=defer)
+        assert (fix.select is not None) == defer
+        if defer:
+            assert sorted(p._pages[0][0].tolist()) == [2, 3]        # the first query's choice still
+            fix.select()
+        out.append([x.clone() for x in (fix.rows, fix.dst, p._pages[0], p._plan)])
+    assert sorted(out[1][2][0].tolist()) == [6, 7]
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 def _two_pages_each():
     """A policy with k = 2 and keys where a query along dim 0 wants pages 2, 3 and one along dim 1 pages 6, 7."""
     p = _policy(budget=64)

@@ -178,7 +178,8 @@ def test_a_dense_quest_decodes_as_full_and_turns_sparse_on_time(tmp_path, mode):
             seen = []
             if extra is not None:
                 observe = llm.runner.policy.observe_query
-                llm.runner.policy.observe_query = lambda l, q, ctx: seen.append(ctx.context_len) or observe(l, q, ctx)
+                llm.runner.policy.observe_query = lambda l, q, ctx, **kw: seen.append(ctx.context_len) or observe(
+                    l, q, ctx, **kw)
             outs[name] = llm.generate([prompt], params)[0]
             outs[name].seen = seen
     assert outs["dense"].token_ids == outs["full"].token_ids
