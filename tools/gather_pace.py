@@ -9,25 +9,11 @@ of the same bytes by the copy engine (`copy_`, non_blocking). Medians of --repea
 moved. The program count that reaches PCIe's pace in the fewest programs leaves the most SMs to the compute beside it.
 """
 import argparse
-import statistics
 
 import torch
 
+from bench.kernels import _time_ms as timed
 from engine.ops import triton_gather as g
-
-
-def timed(fn, repeats: int) -> float:
-    """Median ms of fn() on the current stream."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:
