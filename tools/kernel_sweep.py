@@ -9,8 +9,8 @@ Parts (Qwen3-4B's shapes, Quest at 128K tokens with budget 2048 and 16-token pag
   choose   engine/ops/quest_select.py's choice: pages per chunk program, warps
   correct  its correction: warps
   sketch   engine/ops/quest_score.py's sketch scores: pages per program, warps
-Each call's time is the median over --repeats replays of a graph of --calls calls, divided by the calls. The current
-configuration is marked with *.
+Each call's time is the median over --repeats replays of a graph of many calls (16; GEMV: four passes over the weight
+copies), divided by the calls. The six fastest configurations are printed, and the current one, marked with *.
 """
 import argparse
 import itertools
@@ -57,7 +57,6 @@ def sweep(title: str, configs: dict, current) -> None:
 
 def gemv_part(a) -> None:
     dev = torch.device("cuda")
-    x = torch.randn(2560, dtype=torch.bfloat16, device=dev)
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):
         copies = max(2, -(-256 * 2 ** 20 // (n * k * 2)))                  # 256 MiB in all: past the 50 MB L2
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(copies)]

@@ -34,9 +34,10 @@ The decode work has static shapes (every page a sequence can have is scored, non
 context enters through small device tensors set once per step), so on CUDA a layer's scoring, selection,
 correction and next plan (engine/ops/quest_score.py, quest_select.py) are recorded in a graph, and nothing in it
 waits for the host: where the runner asks (`defer`), in the layer's attention graph with the correction's gather
-(`RowFix.select`), else (the first choice, `recall`, `look_ahead`) in one graph of the policy's own. A plan's rows are kept per context parity (the next step's loads read one copy
-while this step's choices go to the other): [sink | the window's host part | the chosen pages], the last g rows
-of the last page past the plan's end (the truncation above).
+(`RowFix.select`), else (the first choice, `recall`, `look_ahead`) in one graph of the policy's own. A plan's rows
+are kept per context parity (the next step's loads read one copy while this step's choices go to the other):
+[sink | the window's host part | the chosen pages], the last g rows of the last page past the plan's end (the
+truncation above).
 
 What the policy reports (recall, pages fetched and kept, per step and per request) is in engine/sparse/quest_figures.py.
 """
