@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--warps", default="4,8")
     p.add_argument("--repeats", type=int, default=20)
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("it times CUDA kernels: run it on a machine with a CUDA GPU")
     dev, dt = torch.device("cuda"), torch.bfloat16
     nb, bs, hkv, d = a.tokens // a.block, a.block, a.heads, a.dim
     src = torch.randn(nb, 2, hkv, bs, d, dtype=dt).pin_memory()

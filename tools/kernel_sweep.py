@@ -160,6 +160,11 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=10)
     a = p.parse_args()
+    unknown = set(a.parts.split(",")) - set(PARTS)
+    if unknown:
+        p.error(f"unknown part(s) {', '.join(sorted(unknown))}: the parts are {', '.join(PARTS)}")
+    if not torch.cuda.is_available():
+        p.error("it times CUDA kernels: run it on a machine with a CUDA GPU")
     print(torch.cuda.get_device_name())
     for part in a.parts.split(","):
         PARTS[part](a)
