@@ -165,8 +165,7 @@ class OffloadRunner:
             if fix.select is not None:
                 fix.select()
             self.oe.fix_rows(buf, l, fix.rows, fix.dst)
-        return (*(tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst))),
-                fix.select is not None), work
+        return (*((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)), fix.select is not None), work
 
     def _copy_tokens(self, dst: torch.Tensor, at: int, src: torch.Tensor, a: int, b: int) -> None:
         """Tokens a..b-1 of one block [2, Hkv, bs, D] -> flat token positions at.. of a buffer [blocks, 2, Hkv, bs,

@@ -32,12 +32,10 @@ holds the lowest-scored chosen page, so what is attended never depends on what w
 
 The decode work has static shapes (every page a sequence can have is scored, non-candidates masked; the step's
 context enters through small device tensors set once per step), so on CUDA a layer's scoring, selection,
-correction and next plan (engine/ops/quest_score.py, quest_select.py) are recorded in a graph, and nothing in it
-waits for the host: where the runner asks (`defer`), in the layer's attention graph with the correction's gather
-(`RowFix.select`), else (the first choice, `recall`, `look_ahead`) in one graph of the policy's own. A plan's rows
-are kept per context parity (the next step's loads read one copy while this step's choices go to the other):
-[sink | the window's host part | the chosen pages], the last g rows of the last page past the plan's end (the
-truncation above).
+correction and next plan (engine/ops/quest_score.py, quest_select.py) are graphed and never wait for the host: with
+`defer`, in the layer's attention graph beside the gather (`RowFix.select`), else in a graph of the policy's own.
+A plan's rows are kept per context parity (the next step's loads read one copy while this step's choices go to the
+other): [sink | the window's host part | the chosen pages], the last g rows of the last page past the plan's end.
 
 What the policy reports (recall, pages fetched and kept, per step and per request) is in engine/sparse/quest_figures.py.
 """
@@ -251,7 +249,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             self._chose.append(layer)
         select = None                # `defer`: a correction's choice runs with the runner's gather (see RowFix)
         if defer and fix and not measure and not self.looks_ahead:
-            self.index.prepare(layer)
+            self.index.prepare(layer)                                           # (eager: host work)
             select = lambda: (self._q.copy_(q), self._select(layer, "fix"))     # noqa: E731
         else:
             self._q.copy_(q)
