@@ -6,9 +6,9 @@
 Parts (Qwen3-4B's shapes, Quest at 128K tokens with budget 2048 and 16-token pages):
   gemv     engine/ops/gemv.py on the four projections: rows per program, K tile, warps, stages; weights cycled
            through enough copies that each call reads them from memory, not L2 (as in a decode step)
-  choose   engine/ops/quest_select.py's choice: pages per chunk program, warps
-  correct  its correction: warps
-  sketch   engine/ops/quest_score.py's sketch scores: pages per program, warps
+  choose   engine/ops/quest_select.py's choice: pages per chunk program, warps (the chunks', the merge's)
+  correct  its correction: warps, with nothing loaded (no speculation) and with a speculation ~10% kept
+  sketch   engine/ops/quest_score.py's sketch scores: pages per program, warps, broadcast product or tl.dot
 Each call's time is the median over --repeats replays of a graph of many calls (16; GEMV: four passes over the weight
 copies), divided by the calls. The six fastest configurations are printed, and the current one, marked with *.
 """
@@ -95,38 +95,41 @@ def choose_part(a) -> None:
     pages, scores = torch.empty(hkv, k, dtype=torch.long, device=dev), torch.empty(hkv, k, device=dev)
     kept = torch.empty(hkv, dtype=torch.int32, device=dev)
     out = {}
-    c0, w0 = sel.CHUNK, sel.CHOOSE_WARPS
-    for chunk, warps in itertools.product((128, 256, 512, 1024), (1, 2, 4, 8)):
-        sel.CHUNK, sel.CHOOSE_WARPS = chunk, warps
-        out[(("chunk", chunk), ("warps", warps))] = graph_us(
+    c0, w0, m0 = sel.CHUNK, sel.CHOOSE_WARPS, sel.MERGE_WARPS
+    for chunk, warps, merge in itertools.product((256, 512, 1024), (2, 4, 8), (1, 2, 4, 8)):
+        sel.CHUNK, sel.CHOOSE_WARPS, sel.MERGE_WARPS = chunk, warps, merge
+        out[(("chunk", chunk), ("warps", warps), ("merge warps", merge))] = graph_us(
             lambda i: sel.choose(b, 0.088, k, prev, scratch, pages, scores, kept), 16, a.repeats)
         ref = sel.choose_reference(b, 0.088, k, prev)[0]
         assert torch.equal(pages.sort(1).values, ref.sort(1).values), (chunk, warps)
-    sel.CHUNK, sel.CHOOSE_WARPS = c0, w0
-    sweep(f"choose: {hkv} kv heads x {g} query heads, {n} pages, k {k}", out, (("chunk", c0), ("warps", w0)))
+    sel.CHUNK, sel.CHOOSE_WARPS, sel.MERGE_WARPS = c0, w0, m0
+    sweep(f"choose: {hkv} kv heads x {g} query heads, {n} pages, k {k}", out,
+          (("chunk", c0), ("warps", w0), ("merge warps", m0)))
 
 
 def correct_part(a) -> None:
     dev, hkv, g, n, ps, k, b = quest_inputs(a)
     lng = dict(dtype=torch.long, device=dev)
     new = torch.stack([torch.randperm(n, device=dev)[:k] for _ in range(hkv)])
-    slots0 = torch.stack([torch.randperm(n, device=dev)[:k] for _ in range(hkv)])
-    slots0[:, : k // 10] = new[:, : k // 10]                          # ~10% kept (random weights at 128K)
-    slots = slots0.clone()
     page_ids = torch.arange(n, **lng)
     base, n_rows = torch.full((), 48, **lng), torch.full((), a.budget - 32, **lng)
     rows, dst = torch.empty(hkv, k * ps, **lng), torch.empty(hkv, k * ps, **lng)
     count = torch.zeros(1, **lng)
-    out = {}
-    w0 = sel.CORRECT_WARPS
-    for warps in (1, 2, 4, 8, 16):
-        sel.CORRECT_WARPS = warps
-        def call(i):
-            slots.copy_(slots0)
-            sel.correct(new, slots, page_ids, base, n_rows, ps, rows, dst, count)
-        out[(("warps", warps),)] = graph_us(call, 16, a.repeats)
-    sel.CORRECT_WARPS = w0
-    sweep(f"correct: {hkv} kv heads, k {k} (the slot copy before it included)", out, (("warps", w0),))
+    loaded = torch.stack([torch.randperm(n, device=dev)[:k] for _ in range(hkv)])
+    loaded[:, : k // 10] = new[:, : k // 10]                          # ~10% kept
+    for case, slots0 in (("nothing loaded: no speculation, random weights at 128K", torch.full_like(new, -1)),
+                         ("a speculation loaded, ~10% of it kept", loaded)):
+        slots = slots0.clone()
+        out = {}
+        w0 = sel.CORRECT_WARPS
+        for warps in (1, 2, 4, 8, 16):
+            sel.CORRECT_WARPS = warps
+            def call(i):
+                slots.copy_(slots0)
+                sel.correct(new, slots, page_ids, base, n_rows, ps, rows, dst, count)
+            out[(("warps", warps),)] = graph_us(call, 16, a.repeats)
+        sel.CORRECT_WARPS = w0
+        sweep(f"correct, {case}: {hkv} kv heads, k {k} (the slot copy before it included)", out, (("warps", w0),))
 
 
 def sketch_part(a) -> None:
@@ -138,16 +141,16 @@ def sketch_part(a) -> None:
     valid = torch.ones(n, dtype=torch.bool, device=dev)
     ref = qs.sketch_scores_reference(keys, qr, pages, valid, ps)
     out = {}
-    p0, w0 = qs.SKETCH_PAGES, qs.SKETCH_WARPS
-    for pp, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8)):
-        qs.SKETCH_PAGES, qs.SKETCH_WARPS = pp, warps
-        out[(("pages", pp), ("warps", warps))] = graph_us(
+    p0, w0, d0 = qs.SKETCH_PAGES, qs.SKETCH_WARPS, qs.SKETCH_DOT
+    for pp, warps, dot in itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (False, True)):
+        qs.SKETCH_PAGES, qs.SKETCH_WARPS, qs.SKETCH_DOT = pp, warps, dot
+        out[(("pages", pp), ("warps", warps), ("dot", dot))] = graph_us(
             lambda i: qs.sketch_scores(keys, qr, pages, valid, ps), 16, a.repeats)
         assert torch.allclose(qs.sketch_scores(keys, qr, pages, valid, ps), ref, rtol=1e-2, atol=1e-1), (pp, warps)
-    qs.SKETCH_PAGES, qs.SKETCH_WARPS = p0, w0
+    qs.SKETCH_PAGES, qs.SKETCH_WARPS, qs.SKETCH_DOT = p0, w0, d0
     mb = keys.numel() * 2 / 1e6
     sweep(f"sketch: {hkv} kv heads, {n} pages of {ps}, r {r} ({mb:.0f} MB; the best "
-          f"{mb / min(out.values()):.2f} TB/s)", out, (("pages", p0), ("warps", w0)))
+          f"{mb / min(out.values()):.2f} TB/s)", out, (("pages", p0), ("warps", w0), ("dot", d0)))
 
 
 PARTS = {"gemv": gemv_part, "choose": choose_part, "correct": correct_part, "sketch": sketch_part}

@@ -14,8 +14,11 @@ multiplies; measured on an H100 that was most of Quest's scoring time. The kerne
 bounds once, straight from the pool, and never reads the others. `page_bounds_reference` is the torch version:
 the CPU path and the tests' reference.
 """
+import os
+
 import torch
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 try:
     import triton
     import triton.language as tl
@@ -23,9 +26,10 @@ except ImportError:  # CPU-only installs use the reference
     triton = None
 
 PAGES = 64   # pages per program (bounds)
-SKETCH_PAGES = 32   # pages per program (sketch: each page's page_size keys of r values are read; H200, 128K, the
+SKETCH_PAGES = 8    # pages per program (sketch: each page's page_size keys of r values are read; H200, 128K, the
                     # sketch's GPU time per step 0.98 ms at 16 pages, 0.95 at 32, 1.03 at 8)
-SKETCH_WARPS = 4    # warps per sketch program (tools/kernel_sweep.py)
+SKETCH_WARPS = 2    # warps per sketch program (tools/kernel_sweep.py)
+SKETCH_DOT = True   # 16-bit keys: a program's logits as one tl.dot (tensor cores) rather than a broadcast product
 
 
 def page_bounds_reference(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -39,21 +43,22 @@ def page_bounds_reference(kb: torch.Tensor, q: torch.Tensor, pages: torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _program_pages(pages, valid, n, n_live, P: tl.constexpr):
-        """This program's P sequence pages: their index, which are inside n, which are candidates (before n_live),
-        their pool ids."""
+    def _program_pages(pages, valid, n, live, P: tl.constexpr):
+        """This program's P sequence pages: their index, which are inside n, which are candidates (before `live`'s
+        count), their pool ids, and the live count. The three loads are independent (none waits for another)."""
         p = tl.program_id(1) * P + tl.arange(0, P)
         inside = p < n
-        live = inside & (p < n_live)
-        ok = (tl.load(valid + p, mask=live, other=0) != 0) & live
-        return p, inside, ok, tl.load(pages + p, mask=ok, other=0).to(tl.int64)
+        page = tl.load(pages + p, mask=inside, other=0).to(tl.int64)
+        v = tl.load(valid + p, mask=inside, other=0)
+        n_live = tl.load(live)
+        return p, inside, (v != 0) & inside & (p < n_live), page, n_live
 
     @triton.jit
-    def _beyond(live, out, h, n, s_oh, s_og, G: tl.constexpr, P: tl.constexpr):
-        """Whether this program's pages all lie at or after `live` (no candidates): then it writes -inf there and
-        reads nothing."""
+    def _beyond(n_live, out, h, n, s_oh, s_og, G: tl.constexpr, P: tl.constexpr):
+        """Whether this program's pages all lie at or after n_live (no candidates): then it writes -inf there and
+        reads nothing more."""
         p = tl.program_id(1) * P + tl.arange(0, P)
-        past = tl.program_id(1) * P >= tl.load(live)
+        past = tl.program_id(1) * P >= n_live
         if past:
             for g in tl.static_range(G):
                 tl.store(out + h * s_oh + g * s_og + p, tl.full([P], float("-inf"), tl.float32), mask=p < n)
@@ -63,9 +68,9 @@ if triton is not None:
     def _page_bounds_kernel(kb, q, pages, valid, live, out, n, s_kp, s_kh, s_qh, s_oh, s_og,
                             G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr):
         h = tl.program_id(0)
-        if _beyond(live, out, h, n, s_oh, s_og, G, P):
+        p, inside, ok, page, n_live = _program_pages(pages, valid, n, live, P)
+        if _beyond(n_live, out, h, n, s_oh, s_og, G, P):
             return
-        p, inside, ok, page = _program_pages(pages, valid, n, tl.load(live), P)
         d = tl.arange(0, DP)
         at = page[:, None] * s_kp + h * s_kh + d[None, :]
         m = ok[:, None] & (d[None, :] < D)
@@ -114,14 +119,30 @@ if triton is not None:
     @triton.jit
     def _sketch_scores_kernel(keys, qr, pages, valid, live, out, n, s_kr, s_kh, s_qh, s_qg, s_oh, s_og,
                               G: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PS: tl.constexpr,
-                              PSP: tl.constexpr, P: tl.constexpr):
+                              PSP: tl.constexpr, P: tl.constexpr, DOT: tl.constexpr, GQ: tl.constexpr,
+                              UPCAST: tl.constexpr):
         h = tl.program_id(0)
-        if _beyond(live, out, h, n, s_oh, s_og, G, P):
+        p, inside, ok, page, n_live = _program_pages(pages, valid, n, live, P)
+        if _beyond(n_live, out, h, n, s_oh, s_og, G, P):
             return
-        p, inside, ok, page = _program_pages(pages, valid, n, tl.load(live), P)
         t = tl.arange(0, PSP)
         j = tl.arange(0, RP)
         row = page[:, None] * PS + t[None, :]                                  # [P, PSP] pool rows
+        if DOT:                                  # [P * PSP, RP] keys x [RP, GQ] queries on the tensor cores
+            at = tl.reshape(row, [P * PSP])
+            use = tl.reshape(ok[:, None] & (t[None, :] < PS), [P * PSP])
+            k2 = tl.load(keys + at[:, None] * s_kr + h * s_kh + j[None, :], mask=use[:, None] & (j[None, :] < R),
+                         other=0.0)
+            gq = tl.arange(0, GQ)
+            qt = tl.load(qr + h * s_qh + gq[None, :] * s_qg + j[:, None], mask=(gq[None, :] < G) & (j[:, None] < R),
+                         other=0.0).to(k2.dtype)
+            if UPCAST:                           # (the interpreter multiplies bfloat16 bits as integers)
+                k2, qt = k2.to(tl.float32), qt.to(tl.float32)
+            logit = tl.reshape(tl.dot(k2, qt), [P, PSP, GQ])
+            best = tl.max(tl.where((t < PS)[None, :, None], logit, float("-inf")), axis=1)          # [P, GQ]
+            tl.store(out + h * s_oh + gq[None, :] * s_og + p[:, None], tl.where(ok[:, None], best, float("-inf")),
+                     mask=inside[:, None] & (gq[None, :] < G))
+            return
         m = (ok[:, None] & (t[None, :] < PS))[:, :, None] & (j[None, None, :] < R)
         k = tl.load(keys + row[:, :, None] * s_kr + h * s_kh + j[None, None, :], mask=m, other=0.0).to(tl.float32)
         for g in tl.static_range(G):
@@ -142,10 +163,13 @@ def sketch_scores(keys: torch.Tensor, qr: torch.Tensor, pages: torch.Tensor, val
     hkv, g, r = qr.shape
     n = pages.shape[0]
     out = torch.empty(hkv, g, n, dtype=torch.float32, device=qr.device)
+    dot = SKETCH_DOT and keys.dtype in (torch.bfloat16, torch.float16)       # (tl.dot's tiles: 16 at least)
+    rp = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
     _sketch_scores_kernel[(hkv, triton.cdiv(n, SKETCH_PAGES))](
         keys, qr, pages, valid.view(torch.uint8), _live(live, n, qr.device), out, n, keys.stride(0), keys.stride(1),
-        qr.stride(0), qr.stride(1), out.stride(0), out.stride(1), G=g, R=r, RP=triton.next_power_of_2(r), PS=page_size,
-        PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, num_warps=SKETCH_WARPS)
+        qr.stride(0), qr.stride(1), out.stride(0), out.stride(1), G=g, R=r, RP=rp, PS=page_size,
+        PSP=triton.next_power_of_2(page_size), P=SKETCH_PAGES, DOT=dot, GQ=max(16, triton.next_power_of_2(g)),
+        UPCAST=_INTERPRETED, num_warps=SKETCH_WARPS)
     return out
 
 

@@ -32,7 +32,7 @@ except ImportError:  # CPU-only installs use the torch versions
     triton = None
 
 CHUNK = 512   # pages per program of the choice's first two kernels (H100: 256 and 1024 were slower)
-CHOOSE_WARPS, CORRECT_WARPS = 4, 8   # warps per program (tools/kernel_sweep.py)
+CHOOSE_WARPS, MERGE_WARPS, CORRECT_WARPS = 4, 4, 4   # warps per program (tools/kernel_sweep.py)
 
 
 def choose_reference(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor):
@@ -202,11 +202,19 @@ if triton is not None:
         t = tl.arange(0, PSP)
         at = i[:, None] * PS + t[None, :]
         m2 = inside[:, None] & (t[None, :] < PS)
+        every = tl.load(page_ids + nw, mask=inside, other=0).to(tl.int64)   # each chosen page's pool page
         if PLAN:                                                # every chosen page's rows, for the next step's plan
-            every = tl.load(page_ids + nw, mask=inside, other=0).to(tl.int64)
             to_plan = plan + tl.load(plan_par) * s_pp + h * s_ph + tl.load(plan_col)
             tl.store(to_plan + at, every[:, None] * PS + t[None, :], mask=m2)
         old = tl.load(slots + h * s_sh + i, mask=inside, other=-4).to(tl.int32)
+        if tl.max(old, 0) < 0:                                  # nothing loaded (no speculation): page i -> slot i
+            to = tl.load(base) + at
+            go = m2 & (to < tl.load(n_rows))
+            tl.store(slots + h * s_sh + i, nw.to(tl.int64), mask=inside)
+            tl.store(rows + h * s_rh + at, tl.where(go, every[:, None] * PS + t[None, :], -1), mask=m2)
+            tl.store(dst + h * s_dh + at, to, mask=m2)
+            tl.atomic_add(count, tl.sum(tl.sum(go.to(tl.int32), 1), 0).to(tl.int64))
+            return
         low = tl.sum(tl.where(i == k - 1, nw, 0), 0)           # new's last page
         eq = nw[:, None] == old[None, :]                        # [new i, slot j]
         keep = tl.max(eq.to(tl.int32), axis=0) > 0
@@ -220,9 +228,8 @@ if triton is not None:
         slot = tl.sum(tl.where(match, i[None, :], 0), 1)        # [new i]
         filled = tl.sum(tl.where(match, nw[:, None], 0), 0)     # [slot j]
         tl.store(slots + h * s_sh + i, tl.where(free, filled, old).to(tl.int64), mask=inside)
-        pid = tl.load(page_ids + nw, mask=miss, other=0).to(tl.int64)
         to = tl.load(base) + slot[:, None] * PS + t[None, :]
-        src = pid[:, None] * PS + t[None, :]
+        src = every[:, None] * PS + t[None, :]
         go = miss[:, None] & (t[None, :] < PS) & (to < tl.load(n_rows))
         tl.store(rows + h * s_rh + at, tl.where(go, src, -1), mask=m2)
         tl.store(dst + h * s_dh + at, to, mask=m2)
@@ -257,7 +264,7 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
                              NC=nc, NCP=triton.next_power_of_2(nc), KP=kp, HI=hi, ITERS=iters, num_warps=CHOOSE_WARPS)
     _merge_kernel[(hkv,)](cand, scratch, pages, scores, prev, kept, live, n, k, cand.stride(0), scratch.stride(0),
                           pages.stride(0), scores.stride(0), prev.stride(0), NC=nc, KP=kp, NP=np2, NT=nt, HI=hi,
-                          ITERS=iters, num_warps=CHOOSE_WARPS)
+                          ITERS=iters, num_warps=MERGE_WARPS)
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,
