@@ -125,18 +125,26 @@ class DecodeGraphs:
 
     def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int, int],
             between: Callable[[torch.Tensor], tuple[tuple, Callable[[], None]] | None] | None = None,
-            ahead: bool = False) -> torch.Tensor:
+            ahead: bool = False, early: bool = False) -> torch.Tensor:
         """Replay (capturing on first use) the layer's compute over buffer `buf` in layout v (0 whole blocks,
         1 packed rows), the new token at (block, offset) = meta[:2], meta[2] tokens attended, the new token at
         offset meta[3] of the layer's decode buffer (kept there when `dbuf` was given). `between(q)`,
         if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention; the work it
         may return, (tag, fn) with fn over static tensors that tag names (a correction's gather: the policy's
-        tensors, new when the policy is), runs first in the attention's graph.
+        tensors, new when the policy is), runs first in the attention's graph. `early`: between launches nothing
+        that reads q (its work does, in the graph), so it runs first and the layer is one graph: q, the work, the
+        attention (one replay a layer fewer).
         -> q [1, Hq, D] (static)."""
         if self.inline:      # inside a step graph's capture: meta[0] comes from the position (inputs_from_position)
             assert v == 0 and between is None, "a step graph holds whole-block layers only"
         else:
             self._set_meta(v, meta)
+        if early and between is not None:
+            work = between(self.q)
+            between = None
+            if work is not None:
+                self._replay((layer, buf, v, "all", work[0]), work[1])
+                return self.q
         if between is None:
             self._replay((layer, buf, v, "all"))
             return self.q

@@ -143,7 +143,7 @@ class LayerwiseRunner(OffloadRunner):
                         wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)
                         oe.dbuf_read[l] = None
                     graphs.run(l, buf, int(packed is not None), (*new, context, (end - 1) % bs), between,
-                               policy.looks_ahead)
+                               policy.looks_ahead, early=looks and policy.defers(l, ctx))
                 else:
                     att = (rec.mark() if waited else began) if marks else None   # (after a wait for the fetch ahead)
                     with NULL_SPAN if marks else rec.span(COMPUTE, "attention", l):

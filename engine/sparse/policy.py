@@ -157,6 +157,12 @@ class SparsePolicy:
         here."""
         return None
 
+    def defers(self, layer: int, ctx: StepContext) -> bool:
+        """Would observe_query(layer, q, ctx, defer=True) leave all its device work on q to the fix it returns (its
+        `select`)? Then a caller may ask it before q exists: q, the choice, the gather and the attention become
+        one CUDA graph (engine/offload/decode_graphs.py)."""
+        return False
+
     def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext, run=None, gather=None) -> RowFix | None:
         """With `run` and `gather` (CUDA): run the choice as `run(work)` (on the copy stream, after the compute
         issued so far) and fetch with `gather(fix)` there, returning None."""

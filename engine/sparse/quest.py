@@ -248,7 +248,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         if layer in self._chosen:
             self._chose.append(layer)
         select = None                # `defer`: a correction's choice runs with the runner's gather (see RowFix)
-        if defer and fix and not measure and not self.looks_ahead:
+        if defer and self._deferrable(layer, fix, ctx):
             self.index.prepare(layer)                                           # (eager: host work)
             select = lambda: (self._q.copy_(q), self._select(layer, "fix"))     # noqa: E731
         else:
@@ -264,6 +264,16 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         if fix:
             self._fixed.append(layer)
         return RowFix(self._fix_rows, self._fix_dst, select) if fix else None
+
+    def defers(self, layer: int, ctx: StepContext) -> bool:
+        end = ctx.context_len
+        return self.sparse(layer, end + 1) and self._deferrable(
+            layer, self._planned.get(layer) == end and layer in self._chosen, ctx)
+
+    def _deferrable(self, layer: int, fix: bool, ctx: StepContext) -> bool:
+        """A correction (fix) whose choice may run in the runner's graph: not where recall reads the slots first
+        or a guess one layer ahead chose with its own graph."""
+        return fix and not (self.measure_recall and ctx.layer_keys is not None) and not self.looks_ahead
 
     def observe_ahead(self, layer: int, q: torch.Tensor, ctx: StepContext, run=None, gather=None) -> RowFix | None:
         """A guess of `layer`'s query (q [Hq, D], made one layer early from the residual stream), where this step's
