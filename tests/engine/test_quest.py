@@ -184,6 +184,31 @@ def test_a_deferred_correction_chooses_when_the_runner_runs_it():
     assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
+def test_a_policy_that_defers_chooses_from_the_query_written_after_it_was_asked():
+    """`defers` says when observe_query(defer=True) leaves all its work on q to the fix's select: the runner then asks
+    before q exists (one CUDA graph a layer: q, the choice, the gather, the attention), so the choice must read q
+    when select runs, not when observe_query was called. It does not defer without a loaded plan (no fix), nor
+    where recall reads the slots first or a guess one layer ahead chooses on its own."""
+    p, along = _two_pages_each()
+    ctx = StepContext(block_table=torch.arange(6), context_len=150)
+    assert not p.defers(0, ctx)                                     # nothing chosen or loaded yet
+    p.observe_query(0, along[0], ctx, defer=True)                   # pages 2, 3
+    p.plan_load(0, 150, ctx)
+    assert p.defers(0, ctx)
+    q = torch.full((4, 8), float("nan"))                            # the graph's static q, not made yet
+    fix = p.observe_query(0, q, ctx, defer=True)
+    assert fix.select is not None
+    q.copy_(along[1])                                               # q made, then the choice runs (in the graph)
+    fix.select()
+    assert sorted(p._pages[0][0].tolist()) == [6, 7] and _fetched_pages(fix) == [{6, 7}, {6, 7}]
+    for kw in ({"recall": True}, {"look_ahead": True}):
+        other = _policy(budget=64, **kw)
+        other.observe_query(0, along[0], ctx)
+        other.plan_load(0, 150, ctx)
+        other_ctx = StepContext(block_table=torch.arange(6), context_len=150, layer_keys=lambda: None)
+        assert not other.defers(0, other_ctx), kw
+
+
 def _two_pages_each():
     """A policy with k = 2 and keys where a query along dim 0 wants pages 2, 3 and one along dim 1 pages 6, 7."""
     p = _policy(budget=64)
