@@ -125,10 +125,13 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(cand, scores, pages, out_scores, prev, kept, live, n, k, s_ch, s_xh, s_ph, s_oh, s_vh,
-                      NC: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr, HI: tl.constexpr,
-                      ITERS: tl.constexpr):
+                      slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col, s_sh, s_rh, s_dh, s_pp,
+                      s_plh, NC: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, NT: tl.constexpr,
+                      HI: tl.constexpr, ITERS: tl.constexpr, FIX: tl.constexpr, PS: tl.constexpr, PSP: tl.constexpr,
+                      PLAN: tl.constexpr):
         """Per kv head: the k best of the chunks' candidates (NC * KP, in page order: the first NP, then a tail of
-        NT) -> pages (ascending, the lowest-scored last), their scores, and how many of prev are among them."""
+        NT) -> pages (ascending, the lowest-scored last), their scores, and how many of prev are among them; with
+        FIX, then the correction toward them (`_correct_head`, the arguments after s_vh)."""
         h = tl.program_id(0)
         i = tl.arange(0, NP)
         i2 = NP + tl.arange(0, NT)
@@ -149,6 +152,10 @@ if triton is not None:
              last, k)
         _put(pages, out_scores, h * s_ph, h * s_oh, pos2, tl.load(at2 + KP, mask=sel2 | last2, other=0), key2,
              sel2, last2, k)
+        if FIX:                                                 # the pages just written, read back by every thread
+            tl.debug_barrier()
+            _correct_head(h, pages, slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col, k, s_ph,
+                          s_sh, s_rh, s_dh, s_pp, s_plh, KP, PS, PSP, PLAN)
 
     @triton.jit
     def _kth(key, key2, k, HI: tl.constexpr, ITERS: tl.constexpr, TWO: tl.constexpr):
@@ -195,10 +202,17 @@ if triton is not None:
     def _correct_kernel(new, slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col, k, s_nh, s_sh,
                         s_rh, s_dh, s_pp, s_ph, KP: tl.constexpr, PS: tl.constexpr, PSP: tl.constexpr,
                         PLAN: tl.constexpr):
-        h = tl.program_id(0)
+        _correct_head(tl.program_id(0), new, slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col,
+                      k, s_nh, s_sh, s_rh, s_dh, s_pp, s_ph, KP, PS, PSP, PLAN)
+
+    @triton.jit
+    def _correct_head(h, new, slots, page_ids, base, n_rows, rows, dst, count, plan, plan_par, plan_col, k, s_nh, s_sh,
+                      s_rh, s_dh, s_pp, s_ph, KP: tl.constexpr, PS: tl.constexpr, PSP: tl.constexpr,
+                      PLAN: tl.constexpr):
+        """Kv head h's correction (see `correct`)."""
         i = tl.arange(0, KP)
         inside = i < k
-        nw = tl.load(new + h * s_nh + i, mask=inside, other=-3).to(tl.int32)
+        nw = tl.load(new + h * s_nh + i, mask=inside, other=-3, volatile=True).to(tl.int32)   # (the merge's own)
         t = tl.arange(0, PSP)
         at = i[:, None] * PS + t[None, :]
         m2 = inside[:, None] & (t[None, :] < PS)
@@ -213,39 +227,41 @@ if triton is not None:
             tl.store(slots + h * s_sh + i, nw.to(tl.int64), mask=inside)
             tl.store(rows + h * s_rh + at, tl.where(go, every[:, None] * PS + t[None, :], -1), mask=m2)
             tl.store(dst + h * s_dh + at, to, mask=m2)
-            tl.atomic_add(count, tl.sum(tl.sum(go.to(tl.int32), 1), 0).to(tl.int64))
-            return
-        low = tl.sum(tl.where(i == k - 1, nw, 0), 0)           # new's last page
-        eq = nw[:, None] == old[None, :]                        # [new i, slot j]
-        keep = tl.max(eq.to(tl.int32), axis=0) > 0
-        keep = tl.where(i == k - 1, old == low, keep & (old != low)) & inside
-        have = tl.max((eq & keep[None, :]).to(tl.int32), axis=1) > 0
-        miss = ~have & inside
-        free = ~keep & inside
-        mrank = tl.cumsum(miss.to(tl.int32), 0) - 1
-        frank = tl.cumsum(free.to(tl.int32), 0) - 1
-        match = miss[:, None] & free[None, :] & (mrank[:, None] == frank[None, :])   # page i -> slot j
-        slot = tl.sum(tl.where(match, i[None, :], 0), 1)        # [new i]
-        filled = tl.sum(tl.where(match, nw[:, None], 0), 0)     # [slot j]
-        tl.store(slots + h * s_sh + i, tl.where(free, filled, old).to(tl.int64), mask=inside)
-        to = tl.load(base) + slot[:, None] * PS + t[None, :]
-        src = every[:, None] * PS + t[None, :]
-        go = miss[:, None] & (t[None, :] < PS) & (to < tl.load(n_rows))
-        tl.store(rows + h * s_rh + at, tl.where(go, src, -1), mask=m2)
-        tl.store(dst + h * s_dh + at, to, mask=m2)
+        else:
+            low = tl.sum(tl.where(i == k - 1, nw, 0), 0)       # new's last page
+            eq = nw[:, None] == old[None, :]                    # [new i, slot j]
+            keep = tl.max(eq.to(tl.int32), axis=0) > 0
+            keep = tl.where(i == k - 1, old == low, keep & (old != low)) & inside
+            have = tl.max((eq & keep[None, :]).to(tl.int32), axis=1) > 0
+            miss = ~have & inside
+            free = ~keep & inside
+            mrank = tl.cumsum(miss.to(tl.int32), 0) - 1
+            frank = tl.cumsum(free.to(tl.int32), 0) - 1
+            match = miss[:, None] & free[None, :] & (mrank[:, None] == frank[None, :])   # page i -> slot j
+            slot = tl.sum(tl.where(match, i[None, :], 0), 1)    # [new i]
+            filled = tl.sum(tl.where(match, nw[:, None], 0), 0)  # [slot j]
+            tl.store(slots + h * s_sh + i, tl.where(free, filled, old).to(tl.int64), mask=inside)
+            to = tl.load(base) + slot[:, None] * PS + t[None, :]
+            go = miss[:, None] & (t[None, :] < PS) & (to < tl.load(n_rows))
+            tl.store(rows + h * s_rh + at, tl.where(go, every[:, None] * PS + t[None, :], -1), mask=m2)
+            tl.store(dst + h * s_dh + at, to, mask=m2)
         tl.atomic_add(count, tl.sum(tl.sum(go.to(tl.int32), 1), 0).to(tl.int64))
 
 
 def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: torch.Tensor, pages: torch.Tensor,
-           scores: torch.Tensor, kept: torch.Tensor, kernel: bool = True, live: torch.Tensor | None = None) -> None:
+           scores: torch.Tensor, kept: torch.Tensor, kernel: bool = True, live: torch.Tensor | None = None,
+           fix: tuple | None = None) -> bool:
     """Into pages [Hkv, k], scores [Hkv, k], kept [Hkv] (int32): the kernel (scratch [Hkv, n] float32) where
     `kernel` and Triton is there, else the torch version. `pages` may be `prev` itself (read before written).
     live: a device scalar, the kernel reads b's first `live` pages only (the rest are no candidates): its work
-    follows the sequence, not the n pages of `max_model_len` its graph was captured for."""
+    follows the sequence, not the n pages of `max_model_len` its graph was captured for. fix: `correct`'s arguments
+    after `new` (slots, page_ids, base, n_rows, page_size, rows, dst, count, plan): then the correction toward the
+    choice, by the kernel's last program per kv head (one launch fewer) -> whether the next plan's rows were written
+    (see `correct`)."""
     if not kernel or triton is None:
         top, sc, kp = choose_reference(b, scale, k, prev)
         pages.copy_(top), scores.copy_(sc), kept.copy_(kp)
-        return
+        return False if fix is None else correct(pages, *fix[:8], kernel=False)
     hkv, g, n = b.shape
     nc, kp = triton.cdiv(n, CHUNK), triton.next_power_of_2(k)
     total = nc * kp                                                    # the candidates a head merges
@@ -262,9 +278,20 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
     _chunk_kernel[(hkv, nc)](b, stats, scratch, cand, live, n, k, scale, b.stride(0), b.stride(1), stats.stride(0),
                              stats.stride(1), cand.stride(0), cand.stride(1), scratch.stride(0), G=g, GP=gp, C=CHUNK,
                              NC=nc, NCP=triton.next_power_of_2(nc), KP=kp, HI=hi, ITERS=iters, num_warps=CHOOSE_WARPS)
+    args, consts = _correct_args(*fix) if fix is not None else ((pages,) * 10 + (0,) * 5, dict(PS=1, PSP=1, PLAN=False))
     _merge_kernel[(hkv,)](cand, scratch, pages, scores, prev, kept, live, n, k, cand.stride(0), scratch.stride(0),
-                          pages.stride(0), scores.stride(0), prev.stride(0), NC=nc, KP=kp, NP=np2, NT=nt, HI=hi,
-                          ITERS=iters, num_warps=MERGE_WARPS)
+                          pages.stride(0), scores.stride(0), prev.stride(0), *args, NC=nc, KP=kp, NP=np2, NT=nt, HI=hi,
+                          ITERS=iters, FIX=fix is not None, **consts, num_warps=MERGE_WARPS)
+    return fix is not None and fix[-1] is not None
+
+
+def _correct_args(slots, page_ids, base, n_rows, page_size: int, rows, dst, count, plan):
+    """The correction kernel's arguments after `new` (up to k and its stride), then those after new's stride, and its
+    constants."""
+    p, par, col = plan if plan is not None else (rows, base, base)
+    return ((slots, page_ids, base, n_rows, rows, dst, count, p, par, col, slots.stride(0), rows.stride(0),
+             dst.stride(0), p.stride(0), p.stride(1)),
+            dict(PS=page_size, PSP=triton.next_power_of_2(page_size), PLAN=plan is not None))
 
 
 def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tensor, dst: torch.Tensor,
@@ -279,9 +306,7 @@ def correct(new, slots, page_ids, base, n_rows, page_size: int, rows: torch.Tens
         rows.copy_(r), dst.copy_(d), count.add_(c)
         return False
     hkv, k = new.shape
-    p, par, col = plan if plan is not None else (rows, base, base)
-    _correct_kernel[(hkv,)](new, slots, page_ids, base, n_rows, rows, dst, count, p, par, col, k, new.stride(0),
-                            slots.stride(0), rows.stride(0), dst.stride(0), p.stride(0), p.stride(1),
-                            KP=triton.next_power_of_2(k), PS=page_size, PSP=triton.next_power_of_2(page_size),
-                            PLAN=plan is not None, num_warps=CORRECT_WARPS)
+    args, consts = _correct_args(slots, page_ids, base, n_rows, page_size, rows, dst, count, plan)
+    _correct_kernel[(hkv,)](new, *args[:10], k, new.stride(0), *args[10:], KP=triton.next_power_of_2(k), **consts,
+                            num_warps=CORRECT_WARPS)
     return plan is not None

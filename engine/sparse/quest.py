@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ConfigError
-from engine.ops.quest_select import choose, correct
+from engine.ops.quest_select import choose
 from engine.sparse.page_index import KeySketch, PageBounds
 from engine.sparse.policy import KVLayout, LoadPlan, RowFix, SparsePolicy
 from engine.sparse.quest_figures import QuestFigures
@@ -358,15 +358,15 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         pages = self._guess if ahead else self._pages[layer]
         scores = self._guess_scores if ahead else self._scores[layer]
         kept = self._guess_kept if ahead else self._kept[layer]
-        choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch_ahead if ahead else
-               self._scratch, pages, scores, kept, self._kernels, live)
-        planned = False                                 # (the kernel writes the next plan's rows with the fix)
+        fix = None                                      # the correction, in the choice's last kernel
         if mode != "choose":
             rows, dst = (self._ahead_rows[layer], self._ahead_dst[layer]) if ahead else (self._fix_rows, self._fix_dst)
-            planned = correct(pages, self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows,
-                              dst, self._fetched[int(ahead), layer:layer + 1], self._kernels,
-                              None if ahead else (self._plan[:, layer], self._next, self._cols))
-        if not ahead and not planned:
+            fix = (self._slots[layer], self._page_ids, self._base, self._n_rows, self.page_size, rows, dst,
+                   self._fetched[int(ahead), layer:layer + 1], None if ahead else (self._plan[:, layer], self._next,
+                                                                                   self._cols))
+        planned = choose(b, self.layout.head_dim ** -0.5, self.k, self._pages[layer], self._scratch_ahead if ahead
+                         else self._scratch, pages, scores, kept, self._kernels, live, fix)
+        if not ahead and not planned:                   # (the kernel writes the next plan's rows with the fix)
             self._write_pages(layer, pages, self._next)
 
     def _write_pages(self, layer: int, pages: torch.Tensor, parity: torch.Tensor) -> None:

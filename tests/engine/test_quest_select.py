@@ -126,3 +126,40 @@ def test_correction_kernel_equals_reference(case):
     pages = {"some loaded": 4, "none loaded": k, "lowest elsewhere": 2, "all loaded": 0}[case]   # per kv head
     expect = 2 * (pages * ps - (pages > 0))                              # rows fetched (the cut last row never)
     assert w_count.item() == expect
+
+
+@pytest.mark.parametrize("loaded", ["nothing", "a speculation"])
+def test_a_choice_with_its_correction_equals_the_two_apart(loaded):
+    """choose(..., fix=...) corrects in the choice's last kernel: the same pages, slots, rows, destinations, count
+    and next plan as choose() then correct(), whether the buffer held nothing (every page fetched) or a speculation."""
+    hkv, g, n, k, ps = 2, 3, 2100, 24, 4
+    b, _ = _bounds(hkv, g, n, seed=5)
+    prev = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(h))[:k] for h in range(hkv)]).to(DEV)
+    page_ids = (torch.arange(n, device=DEV) * 7) % n
+    base, n_rows = torch.tensor(20, device=DEV), torch.tensor(20 + k * ps - 3, device=DEV)
+    runs = []
+    for fused in (False, True):
+        want, _, _ = choose_reference(b, 0.3, k, prev)
+        slots = torch.full((hkv, k), -1, dtype=torch.long, device=DEV)
+        if loaded == "a speculation":
+            slots.copy_(prev)
+            slots[:, :5] = want[:, 3:8]                                  # some of the choice is in place already
+        pages, scores = torch.zeros(hkv, k, dtype=torch.long, device=DEV), torch.zeros(hkv, k, device=DEV)
+        kept = torch.zeros(hkv, dtype=torch.int32, device=DEV)
+        rows, dst = torch.full((hkv, k * ps), -9, dtype=torch.long, device=DEV), torch.zeros(hkv, k * ps,
+                                                                                           dtype=torch.long, device=DEV)
+        count = torch.zeros(1, dtype=torch.long, device=DEV)
+        plan = torch.full((2, hkv, 20 + k * ps), -7, dtype=torch.long, device=DEV)
+        par, col = torch.tensor([0], device=DEV), torch.tensor([20], device=DEV)
+        fix = (slots, page_ids, base, n_rows, ps, rows, dst, count, (plan, par, col))
+        scratch = torch.empty(hkv, n, device=DEV)
+        if fused:
+            wrote = choose(b, 0.3, k, prev, scratch, pages, scores, kept, fix=fix)
+        else:
+            choose(b, 0.3, k, prev, scratch, pages, scores, kept)
+            wrote = correct(pages, *fix[:8], plan=fix[8])
+        assert wrote and torch.equal(pages, want)
+        runs.append([pages, slots, rows, dst, count, plan])
+    assert all(torch.equal(a, c) for a, c in zip(*runs))
+    fetched = (runs[1][2] >= 0).sum().item()
+    assert runs[1][4].item() == fetched and (fetched < hkv * (k * ps - 3)) == (loaded == "a speculation")
