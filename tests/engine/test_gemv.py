@@ -57,3 +57,23 @@ def test_only_one_row_on_cuda_takes_the_kernel(monkeypatch):
 
 def test_state_dict_names_are_nn_linears():
     assert set(Linear(4, 3).state_dict()) == set(torch.nn.Linear(4, 3).state_dict()) == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(37, 256), (8, 200), (5, 8192 + 512)])    # ragged rows; K off every tile; long K
+def test_the_glu_row_is_silu_of_the_gate_times_the_up_half(dtype, n, k):
+    """The MLP's down projection on [gate | up] in one kernel: F.linear(silu(gate) * up, w), the product rounded to
+    the activations' dtype first, as silu_mul's output is."""
+    torch.manual_seed(1)
+    w = torch.randn(n, k, device=DEV).to(dtype)
+    x = torch.randn(1, 2 * k, device=DEV).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    row = (torch.nn.functional.silu(gate) * up).to(dtype).float()
+    want = G.gemv_reference(row, w.float())
+    got = G.gemv(x, w, glu=True)
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    layer = Linear(k, n, bias=False).to(DEV, dtype)
+    layer.weight.data.copy_(w)
+    assert torch.allclose(layer.glu(x).float(), want, rtol=tol, atol=tol * want.abs().max().item())   # any device
