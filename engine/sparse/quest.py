@@ -250,7 +250,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         select = None                # `defer`: a correction's choice runs with the runner's gather (see RowFix)
         if defer and self._deferrable(layer, fix, ctx):
             self.index.prepare(layer)                                           # (eager: host work)
-            select = lambda: (self._q.copy_(q), self._select(layer, "fix"))     # noqa: E731
+            select = lambda: self._select(layer, "fix", q)      # noqa: E731  (q: the caller's, static while it runs)
         else:
             self._q.copy_(q)
             self._run(layer, "fix" if fix else "choose")
@@ -347,14 +347,15 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             setattr(self, "_pool_ahead" if ahead else "_pool", graph.pool())
         graph.replay()
 
-    def _select(self, layer: int, mode: str) -> None:
+    def _select(self, layer: int, mode: str, q: torch.Tensor | None = None) -> None:
         """Score every page (masked to the candidates) and keep the k best per kv head (engine/ops/quest_select.py).
         "choose": that is the layer's choice; "fix": also correct the loaded slots toward it (rows to _fix_rows);
         "ahead": a guessed query's choice, only corrects the slots (rows to the layer's _ahead_rows). Static
         shapes, no host sync."""
         ahead = mode == "ahead"
         n, live = (None, self._live) if self._kernels else (self._n_candidates, None)   # (graphs read `_live`)
-        b = self.bounds(layer, self._q_ahead if ahead else self._q, self._page_ids[:n], self._valid[:n], live)
+        q = q if q is not None else self._q_ahead if ahead else self._q
+        b = self.bounds(layer, q, self._page_ids[:n], self._valid[:n], live)
         pages = self._guess if ahead else self._pages[layer]
         scores = self._guess_scores if ahead else self._scores[layer]
         kept = self._guess_kept if ahead else self._kept[layer]
