@@ -10,6 +10,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def glu(self, x: torch.Tensor) -> torch.Tensor:
-        """self(silu_mul(x)), x [..., 2 * in_features] = [gate | up] (one kernel for one row on CUDA)."""
-        return glu_linear(x, self.weight, self.bias)
+    def glu(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """self(silu_mul(x)), x [..., 2 * in_features] = [gate | up] (one kernel for one row on CUDA), into `out` if
+        given."""
+        return glu_linear(x, self.weight, self.bias, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.ops.fused import add_rms_norm, rms_norm
+from engine.ops.fused import add_rms_norm, add_rms_norm_, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,3 +18,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x in place -> norm(residual)."""
+        return add_rms_norm_(x, residual, self.weight, self.eps)

@@ -57,8 +57,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.glu(self.gate_up_proj(x))          # down(silu_mul(gate_up))
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj.glu(self.gate_up_proj(x), out)     # down(silu_mul(gate_up)), into out if given
 
 
 class DecoderLayer(nn.Module):
@@ -97,7 +97,8 @@ class DecoderLayer(nn.Module):
         q = None
         for a in range(0, T, step):
             b = min(T, a + step)
-            qa, k, v, residual[a:b] = self.pre_attention(h[a:b], residual[a:b], (cos_sin[0][a:b], cos_sin[1][a:b]))
+            qa, k, v = self.self_attn.project(self.input_layernorm.add_(h[a:b], residual[a:b]),
+                                              (cos_sin[0][a:b], cos_sin[1][a:b]))
             store(k, v, a, b)
             if step >= T:
                 return qa
@@ -107,11 +108,13 @@ class DecoderLayer(nn.Module):
         return q
 
     def post_rows(self, o: torch.Tensor, h: torch.Tensor, residual: torch.Tensor, chunk: int = 0) -> None:
-        """`post_attention` over rows in chunks of `chunk` (0: all at once), in place in h and residual."""
+        """`post_attention` over rows in chunks of `chunk` (0: all at once), in place in h and residual (the sum
+        added where it is, the MLP's down projection writing h: no copies into the caller's buffers)."""
         T, step = h.shape[0], chunk or h.shape[0]
         for a in range(0, T, step):
             b = min(T, a + step)
-            h[a:b], residual[a:b] = self.post_attention(o[a:b], residual[a:b])
+            x = self.post_attention_layernorm.add_(self.self_attn.o_proj(o[a:b].flatten(1)), residual[a:b])
+            self.mlp(x, out=h[a:b])
 
 
 class CausalLM(nn.Module):

@@ -48,6 +48,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @cuda_compiled
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place -> rms_norm(residual): no copy of the sum back into a caller's static buffer."""
+    residual.add_(x)
+    return _rms(residual, weight, eps)
+
+
+@cuda_compiled
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up. On CPU (eager) in place on gate_up, the projection's own output, where autograd does not
     watch it: two passes over it instead of three and no temporaries (a 7K-token prefill of the default model,

@@ -76,11 +76,13 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     return ROWS, _tile(k), WARPS
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
-    """x [..., K] holding one row, w [N, K] (rows contiguous), b [N] or None -> [..., N] in x's dtype. glu: x is
-    [..., 2K], [gate | up], and the row multiplied is silu(gate) * up (`silu_mul`, one kernel fewer)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, w [N, K] (rows contiguous), b [N] or None -> [..., N] in x's dtype (into `out`, N
+    contiguous elements, if given). glu: x is [..., 2K], [gate | up], and the row multiplied is silu(gate) * up
+    (`silu_mul`, one kernel fewer)."""
     n, k = w.shape
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     bn, bk, warps = config(n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w if b is None else b, y, n, k, w.stride(0), HAS_BIAS=b is not None,
                                         EVEN_K=k % bk == 0, BN=bn, BK=bk, GLU=glu, num_warps=warps, num_stages=STAGES)
@@ -97,7 +99,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return gemv(x, w, b) if _one_row(x, w) else F.linear(x, w, b)
 
 
-def glu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def glu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(silu_mul(x), w, b) (x [..., 2K]: [gate | up]), with one row on CUDA as one kernel: the MLP's down
-    projection reads the gate and up halves itself."""
-    return gemv(x, w, b, glu=True) if _one_row(x, w) else F.linear(silu_mul(x), w, b)
+    projection reads the gate and up halves itself. out: written there (the kernel's own output where it runs)."""
+    if _one_row(x, w) and (out is None or (out.is_contiguous() and out.dtype == x.dtype)):
+        return gemv(x, w, b, glu=True, out=out)
+    y = F.linear(silu_mul(x), w, b)
+    return y if out is None else out.copy_(y)
