@@ -20,7 +20,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.registry import ModelArgs
 from engine.ops.attention import default_scale
-from engine.ops.fused import qk_norm_rope, rope
+from engine.ops.fused import qk_norm_rope, rope, silu_mul
 from engine.step import StepContext
 from engine.trace.events import COMPUTE
 
@@ -58,7 +58,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj.glu(self.gate_up_proj(x), out)     # down(silu_mul(gate_up)), into out if given
+        return self.down_proj(silu_mul(self.gate_up_proj(x)), out)     # into out if given
 
 
 class DecoderLayer(nn.Module):

@@ -12,8 +12,6 @@ is the math in torch.
 import torch
 import torch.nn.functional as F
 
-from engine.ops.fused import silu_mul
-
 try:
     import triton
     import triton.language as tl
@@ -32,7 +30,7 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 if triton is not None:
     @triton.jit
     def _gemv_kernel(x, w, b, y, N, K, s_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GLU: tl.constexpr = False):
+                     BK: tl.constexpr):
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         inside = rn < N
         row = tl.where(inside, rn, 0).to(tl.int64) * s_w          # rows past N read row 0 (no mask on the loads)
@@ -45,10 +43,6 @@ if triton is not None:
             else:
                 wt = tl.load(w + row[:, None] + k[None, :], mask=k[None, :] < K, other=0.0)
                 xk = tl.load(x + k, mask=k < K, other=0.0)
-            if GLU:                                   # x holds [gate | up]: silu(gate) * up, rounded as silu_mul's
-                up = tl.load(x + K + k, mask=k < K, other=0.0).to(tl.float32)
-                gate = xk.to(tl.float32)
-                xk = (gate / (1.0 + tl.exp(-gate)) * up).to(x.dtype.element_ty)
             acc += wt.to(tl.float32) * xk.to(tl.float32)[None, :]
         out = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -76,34 +70,23 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     return ROWS, _tile(k), WARPS
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, glu: bool = False,
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] holding one row, w [N, K] (rows contiguous), b [N] or None -> [..., N] in x's dtype (into `out`, N
-    contiguous elements, if given). glu: x is [..., 2K], [gate | up], and the row multiplied is silu(gate) * up
-    (`silu_mul`, one kernel fewer)."""
+    contiguous elements, if given)."""
     n, k = w.shape
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     bn, bk, warps = config(n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w if b is None else b, y, n, k, w.stride(0), HAS_BIAS=b is not None,
-                                        EVEN_K=k % bk == 0, BN=bn, BK=bk, GLU=glu, num_warps=warps, num_stages=STAGES)
+                                        EVEN_K=k % bk == 0, BN=bn, BK=bk, num_warps=warps, num_stages=STAGES)
     return y
 
 
-def _one_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (triton is not None and x.is_cuda and x.numel() == x.shape[-1] and x.stride(-1) == 1
-            and w.stride(-1) == 1 and x.dtype == w.dtype)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with one row on CUDA through the kernel."""
-    return gemv(x, w, b) if _one_row(x, w) else F.linear(x, w, b)
-
-
-def glu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(silu_mul(x), w, b) (x [..., 2K]: [gate | up]), with one row on CUDA as one kernel: the MLP's down
-    projection reads the gate and up halves itself. out: written there (the kernel's own output where it runs)."""
-    if _one_row(x, w) and (out is None or (out.is_contiguous() and out.dtype == x.dtype)):
-        return gemv(x, w, b, glu=True, out=out)
-    y = F.linear(silu_mul(x), w, b)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with one row on CUDA through the kernel; into `out` if given (the kernel writes it itself)."""
+    if (triton is not None and x.is_cuda and x.numel() == x.shape[-1] and x.stride(-1) == 1 and w.stride(-1) == 1
+            and x.dtype == w.dtype and (out is None or (out.is_contiguous() and out.dtype == x.dtype))):
+        return gemv(x, w, b, out)
+    y = F.linear(x, w, b)
     return y if out is None else out.copy_(y)
