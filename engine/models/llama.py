@@ -91,8 +91,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def qkv_rows(self, h: torch.Tensor, residual: torch.Tensor, cos_sin, store: StoreKV, chunk: int = 0):
-        """`pre_attention` over rows in chunks of `chunk` (0: all at once), updating `residual` in place; each
-        chunk's k, v go to store(k, v, first, end). -> q [T, Hq, D]."""
+        """`pre_attention`'s work over rows in chunks of `chunk` (0: all at once), the residual add in place in
+        `residual`; each chunk's k, v go to store(k, v, first, end). -> q [T, Hq, D]."""
         T, step = h.shape[0], chunk or h.shape[0]
         q = None
         for a in range(0, T, step):
@@ -108,8 +108,8 @@ class DecoderLayer(nn.Module):
         return q
 
     def post_rows(self, o: torch.Tensor, h: torch.Tensor, residual: torch.Tensor, chunk: int = 0) -> None:
-        """`post_attention` over rows in chunks of `chunk` (0: all at once), in place in h and residual (the sum
-        added where it is, the MLP's down projection writing h: no copies into the caller's buffers)."""
+        """`post_attention`'s work over rows in chunks of `chunk` (0: all at once), in place in h and residual (the
+        sum added where it is, the MLP's down projection writing h: no copies into the caller's buffers)."""
         T, step = h.shape[0], chunk or h.shape[0]
         for a in range(0, T, step):
             b = min(T, a + step)

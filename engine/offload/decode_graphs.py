@@ -9,7 +9,8 @@ A policy that looks at the layer's query before its attention (Quest's correctio
 graphs: q, k, v and the KV store (and, for a policy that looks ahead, the next layer's query guessed from this
 layer's input: `q_next`); then, after the policy's eager step, the correction (Quest's choice, where the policy
 leaves it to the runner, and its row gather: the policy's static tensors, so both are recorded in the graph, two
-launches fewer per layer), the attention and the rest.
+launches fewer per layer), the attention and the rest. Where the policy leaves all its work on q to the runner
+(`SparsePolicy.defers`), its eager step runs first and the layer is one graph again (`run(early=True)`).
 
 The graph body is the model's own decoder layer (`qkv_rows`, then paged decode attention over the buffer, then
 `post_rows`) over static tensors: hidden state and residual (updated in place layer after layer) and rotary cos/sin,

@@ -26,9 +26,9 @@ except ImportError:  # CPU-only installs use the reference
     triton = None
 
 PAGES = 64   # pages per program (bounds)
-SKETCH_PAGES = 8    # pages per program (sketch: each page's page_size keys of r values are read; H200, 128K, the
-                    # sketch's GPU time per step 0.98 ms at 16 pages, 0.95 at 32, 1.03 at 8)
-SKETCH_WARPS = 2    # warps per sketch program (tools/kernel_sweep.py)
+SKETCH_PAGES = 8    # pages per program (sketch: each page's page_size keys of r values are read)
+SKETCH_WARPS = 2    # warps per sketch program. H200, 8,192 pages, r 32 (tools/kernel_sweep.py): 23.1 us; the
+                    # broadcast product's best 27.6 (8 pages, 1 warp), 29.0 at its old 32 pages on 4 warps
 SKETCH_DOT = True   # 16-bit keys: a program's logits as one tl.dot (tensor cores) rather than a broadcast product
 
 

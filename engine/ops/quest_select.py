@@ -19,7 +19,9 @@ Its work follows the sequence's pages (`live`, a device scalar), not the `max_mo
 -1: none) and a choice `new` [Hkv, k] -> the host rows to fetch and where they go ([Hkv, k * page_size] each,
 -1: nothing), the slots updated in place, the count of rows fetched. The pages `new` has that the slots lack go,
 in order, into the slots whose pages `new` drops, in order; the last slot (cut by the window) must hold new's
-last page, so a page elsewhere in the slots that belongs there is fetched again (at most one more).
+last page, so a page elsewhere in the slots that belongs there is fetched again (at most one more). Slots that
+hold nothing (no speculation was loaded: random weights at 128K) take page i in slot i, without the k x k match
+(H200: 6.0 -> 4.5 us). `choose(..., fix=...)` runs the correction in the merge kernel, after its pages are written.
 """
 import struct
 

@@ -33,7 +33,8 @@ holds the lowest-scored chosen page, so what is attended never depends on what w
 The decode work has static shapes (every page a sequence can have is scored, non-candidates masked; the step's
 context enters through small device tensors set once per step), so on CUDA a layer's scoring, selection,
 correction and next plan (engine/ops/quest_score.py, quest_select.py) are graphed and never wait for the host: with
-`defer`, in the layer's attention graph beside the gather (`RowFix.select`), else in a graph of the policy's own.
+`defer`, in the layer's graph beside the gather (`RowFix.select`, reading the runner's q; `defers` says when, so
+the runner may record q, the choice and the attention as one graph), else in a graph of the policy's own.
 A plan's rows are kept per context parity (the next step's loads read one copy while this step's choices go to the
 other): [sink | the window's host part | the chosen pages], the last g rows of the last page past the plan's end.
 
@@ -376,37 +377,6 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         rows = (self._page_ids[pages][:, :, None] * self.page_size + self._in_page).flatten(1)  # [Hkv, k * ps]
         self._plan[:, layer].index_put_((parity[:, None, None], self._heads[None, :, None], self._cols[None, None]),
                                         rows[None])
-
-    def end_step(self, ctx: StepContext) -> None:
-        """Once per step: the step's picks go to the recorder stacked (three copies to the host, asynchronous);
-        the pages the corrections fetched are read (one small copy)."""
-        picked, self._picked = self._picked, []
-        if picked and ctx.recorder.enabled:
-            at = slice(picked[0], picked[-1] + 1) if picked == list(range(picked[0], picked[-1] + 1)) else picked
-            positions = self._pages[at]
-            ctx.recorder.quest_picks(picked, self._page_ids[positions], self._scores[at],
-                                     [self._n_candidates] * len(picked), positions, self.page_size)
-        fixed, self._fixed = self._fixed, []
-        chose, self._chose = self._chose, []
-        if fixed or chose:
-            fixes, ahead, kept = torch.cat([self._fetched, self._kept.sum(1)[None]]).tolist()   # one small copy
-            self._fetched.zero_()
-            hkv, ps = self.layout.num_kv_heads, self.page_size
-            self._rows_step = int(sum(fixes) + sum(ahead))
-            fixes, ahead = [r / ps for r in fixes], [r / ps for r in ahead]
-            for l in chose:                        # load the previous choice ahead where it kept half its pages
-                self._speculate[l] = kept[l] / hkv >= self.k / 2
-            per_layer = {l: fixes[l] / hkv for l in fixed}
-            early = {l: ahead[l] / hkv for l in fixed if self._ahead_at.get(l) == ctx.context_len}
-            self._step["fetched"], self._step["fetched_ahead"] = per_layer, early
-            self._step["kept"] = {l: kept[l] / hkv for l in chose}
-            self.fetched += sum(per_layer.values())
-            self.fetched_ahead += sum(early.values())
-            self.fixes += len(per_layer)
-
-    def fetched_rows(self) -> int:
-        rows, self._rows_step = self._rows_step, 0
-        return rows
 
     # ---------------------------------------------------------------- selection
     def bounds(self, layer: int, q: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor,

@@ -1,7 +1,8 @@
 """What Quest reports, a base of QuestPolicy (engine/sparse/quest.py) that reads the policy's layout, budget and
 slots: with `recall` on, the true attention mass on what each sparse step attended to and on what its speculation
 had loaded (from the layer's whole K); each step's figures for its trace (recall, pages fetched, pages kept: the
-policy gathers them in `_step`); and a request's stats, recall included (gathered in `_recall`)."""
+policy gathers them in `_step`, `end_step` reads the device's counts once a step); and a request's stats, recall
+included (gathered in `_recall`)."""
 from __future__ import annotations
 
 import torch
@@ -82,3 +83,34 @@ class QuestFigures:
             out[kind + "_min_head"] = min(torch.cat(v).min().item() for v in layers.values())
             out[kind + "_per_layer"] = {str(l): round(r, 4) for l, r in per_layer.items()}
         return out
+
+    def end_step(self, ctx: StepContext) -> None:
+        """Once per step: the step's picks go to the recorder stacked (three copies to the host, asynchronous);
+        the pages the corrections fetched are read (one small copy)."""
+        picked, self._picked = self._picked, []
+        if picked and ctx.recorder.enabled:
+            at = slice(picked[0], picked[-1] + 1) if picked == list(range(picked[0], picked[-1] + 1)) else picked
+            positions = self._pages[at]
+            ctx.recorder.quest_picks(picked, self._page_ids[positions], self._scores[at],
+                                     [self._n_candidates] * len(picked), positions, self.page_size)
+        fixed, self._fixed = self._fixed, []
+        chose, self._chose = self._chose, []
+        if fixed or chose:
+            fixes, ahead, kept = torch.cat([self._fetched, self._kept.sum(1)[None]]).tolist()   # one small copy
+            self._fetched.zero_()
+            hkv, ps = self.layout.num_kv_heads, self.page_size
+            self._rows_step = int(sum(fixes) + sum(ahead))
+            fixes, ahead = [r / ps for r in fixes], [r / ps for r in ahead]
+            for l in chose:                        # load the previous choice ahead where it kept half its pages
+                self._speculate[l] = kept[l] / hkv >= self.k / 2
+            per_layer = {l: fixes[l] / hkv for l in fixed}
+            early = {l: ahead[l] / hkv for l in fixed if self._ahead_at.get(l) == ctx.context_len}
+            self._step["fetched"], self._step["fetched_ahead"] = per_layer, early
+            self._step["kept"] = {l: kept[l] / hkv for l in chose}
+            self.fetched += sum(per_layer.values())
+            self.fetched_ahead += sum(early.values())
+            self.fixes += len(per_layer)
+
+    def fetched_rows(self) -> int:
+        rows, self._rows_step = self._rows_step, 0
+        return rows
