@@ -280,16 +280,20 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
     _chunk_kernel[(hkv, nc)](b, stats, scratch, cand, live, n, k, scale, b.stride(0), b.stride(1), stats.stride(0),
                              stats.stride(1), cand.stride(0), cand.stride(1), scratch.stride(0), G=g, GP=gp, C=CHUNK,
                              NC=nc, NCP=triton.next_power_of_2(nc), KP=kp, HI=hi, ITERS=iters, num_warps=CHOOSE_WARPS)
-    args, consts = _correct_args(*fix) if fix is not None else ((pages,) * 10 + (0,) * 5, dict(PS=1, PSP=1, PLAN=False))
+    args, consts = _correct_args(*fix) if fix is not None else _no_fix(pages)
     _merge_kernel[(hkv,)](cand, scratch, pages, scores, prev, kept, live, n, k, cand.stride(0), scratch.stride(0),
                           pages.stride(0), scores.stride(0), prev.stride(0), *args, NC=nc, KP=kp, NP=np2, NT=nt, HI=hi,
                           ITERS=iters, FIX=fix is not None, **consts, num_warps=MERGE_WARPS)
     return fix is not None and fix[-1] is not None
 
 
+def _no_fix(pages):     # noqa: N802 - the merge kernel's correction arguments where it corrects nothing (unread)
+    return (pages,) * 10 + (0,) * 5, dict(PS=1, PSP=1, PLAN=False)
+
+
 def _correct_args(slots, page_ids, base, n_rows, page_size: int, rows, dst, count, plan):
-    """The correction kernel's arguments after `new` (up to k and its stride), then those after new's stride, and its
-    constants."""
+    """-> (the correction's ten tensors and five strides, as `_correct_head` takes them after `new`, leaving out k
+    and new's stride), and its constants."""
     p, par, col = plan if plan is not None else (rows, base, base)
     return ((slots, page_ids, base, n_rows, rows, dst, count, p, par, col, slots.stride(0), rows.stride(0),
              dst.stride(0), p.stride(0), p.stride(1)),
