@@ -287,7 +287,7 @@ def choose(b: torch.Tensor, scale: float, k: int, prev: torch.Tensor, scratch: t
     return fix is not None and fix[-1] is not None
 
 
-def _no_fix(pages):     # noqa: N802 - the merge kernel's correction arguments where it corrects nothing (unread)
+def _no_fix(pages):     # the merge kernel's correction arguments where it corrects nothing (unread)
     return (pages,) * 10 + (0,) * 5, dict(PS=1, PSP=1, PLAN=False)
 
 
