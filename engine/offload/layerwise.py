@@ -9,8 +9,9 @@ Per layer l (buffer = its resident buffer, or ring slot j % N for the j-th strea
   -> release the buffer and load the layer N streamed layers ahead into it (at decode, wrapping around to the
      next step's first layers, so the next token's loads start while this one computes).
 At decode a load-planning policy (Quest) may ask for pages instead of whole blocks: they are packed into the
-buffer's first positions, the partly filled block after them; where a plan's only host rows are the sink, nothing is
-loaded and the sink comes from the device copy each layer made at prefill. On CUDA each decode layer's compute is one
+buffer's first positions, the partly filled block after them; where a plan's only host rows are the sink and the
+tokens right before the partly filled block, nothing is loaded: they come from the device copies each layer keeps (its
+sink, made at prefill, and its last complete block). On CUDA each decode layer's compute is one
 CUDA graph replay (engine/offload/decode_graphs.py). Prefill reads nothing from the host unless the prompt
 starts with cached blocks (prefix cache).
 """
@@ -47,9 +48,10 @@ class LayerwiseRunner(OffloadRunner):
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key, sink kept
                                                         # on the device: its tokens, 0 if loaded) if by rows
-        self.keep_sink = True          # a plan's sink rows from a device copy (made at prefill), not the host
-        self._sink: torch.Tensor | None = None          # [L, 2, Hkv, sink, D]: each layer's first tokens
-        self._sink_ok = [False] * a.num_layers          # ... made by this sequence's prefill
+        self.keep_sink = True          # a plan's sink and recent rows from device copies, not the host
+        self._keep: torch.Tensor | None = None   # [L, 2, Hkv, bs + sink, D]: each layer's last complete block, then
+        self._sink_ok = [False] * a.num_layers   # its first tokens (made by this sequence's prefill)
+        self._prev_blk = [-1] * a.num_layers     # the sequence's block each layer's copy holds (-1: none)
         self.step_graphs = StepGraphs(self)
         return oe
 
@@ -88,7 +90,7 @@ class LayerwiseRunner(OffloadRunner):
             return self._logits(graphs.h, graphs.residual, ctx)
         start, end = (seq.num_cached_tokens if is_prefill else len(seq) - 1), len(seq)
         if is_prefill:
-            self._sink_ok = [False] * len(self.model.layers)
+            self._sink_ok, self._prev_blk = [False] * len(self.model.layers), [-1] * len(self.model.layers)
         if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
             graphs.begin_token(seq.token_ids[-1], start)
             inputs = graphs.h, graphs.residual, None, None, None
@@ -226,8 +228,9 @@ class LayerwiseRunner(OffloadRunner):
                 oe.buffers[buf][n_host].copy_(oe.dbuf[l])
             return (n_host, start % bs), end
         n_rows, tail = packed[1], packed[2]
-        if packed[4]:                                # the sink: from its device copy (nothing was loaded)
-            oe.buffers[buf][0, :, :, :packed[4]].copy_(self._sink[l])
+        if packed[4]:               # the recent rows and the sink: from their device copies (nothing was loaded),
+            r = packed[5]           # the first rows in that order (attention does not depend on the rows' order)
+            self._copy_tokens(oe.buffers[buf], 0, self._keep[l], bs - r, bs + packed[4])
         partial = end - n_host * bs                  # tokens of the block being filled, the new one included
         self._copy_tokens(oe.buffers[buf], n_rows, oe.dbuf[l], partial - tail, partial - 1)
         f = n_rows + tail - 1
@@ -252,6 +255,7 @@ class LayerwiseRunner(OffloadRunner):
                 positions = list(range(n_host, n_done))
                 oe.offload(buf, l, positions, table[n_host:n_done])
                 if policy.plans_loads:                                   # (a 32K prompt: 125 blocks at once)
+                    self._keep_block(l, oe.buffers[buf][n_done - 1], n_done - 1)
                     policy.on_kv_written(l, table[n_host:n_done], oe.buffers[buf][n_host:n_done, 0],
                                          max(0, start - n_host * bs), (n_done - n_host) * bs)
             if end % bs:                                                # the partly filled block stays here
@@ -269,6 +273,7 @@ class LayerwiseRunner(OffloadRunner):
             if policy.plans_loads:
                 policy.on_kv_written(l, [table[n_host]], oe.dbuf[l][:1], partial - 1, partial)
             if partial == bs:
+                self._keep_block(l, oe.dbuf[l], n_host)
                 oe.offload_dbuf(l, table[n_host])
 
     def _layer_keys(self, l: int, buf: int, new: tuple, n_host: int, end: int, ctx: StepContext) -> torch.Tensor:
@@ -294,13 +299,34 @@ class LayerwiseRunner(OffloadRunner):
             return
         if self._packed[buf] is not None and self._packed[buf][3] == plan.key:
             return                   # already loaded (the previous step's prefetch)
-        sink = plan.sink if (self.keep_sink and plan.sink and plan.moved == plan.sink and self._sink_ok[layer]
-                             and self._sink.shape[3] == plan.sink) else 0   # (keep_sink off: tools' A/B)
-        if sink:                     # the plan's only host rows are the sink, which is on the device already
-            self.oe.packing(buf)
+        bs = self.block_size         # the recent rows on the device: the block before the newest token's
+        recent = plan.recent if plan.recent == 0 or (plan.recent <= bs and self._prev_blk[layer] ==
+                                                     (context_len - 1) // bs - 1) else -1
+        sink = plan.sink if (self.keep_sink and plan.sink and recent >= 0 and plan.moved == plan.sink + recent
+                             and self._sink_ok[layer] and self._keep.shape[3] == bs + plan.sink) else 0
+        if sink:                     # the plan's only host rows are the sink and the recent rows, on the device
+            self.oe.packing(buf)     # already (keep_sink off: tools' A/B)
         else:
             self.oe.load_rows(buf, layer, plan.rows, plan.moved)
-        self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key, sink)
+        self._packed[buf] = (layer, plan.rows.shape[1], plan.device_tail, plan.key, sink, recent if sink else 0)
+
+    def _kept(self) -> torch.Tensor:
+        """The device copies of each layer's last complete block and sink, [L, 2, Hkv, bs + sink, D] (made anew,
+        none valid, where the policy's sink changed)."""
+        bs, s, a = self.block_size, self.policy.sink, self.args
+        if self._keep is None or self._keep.shape[3] != bs + s:
+            self._keep = torch.empty((a.num_layers, 2, a.num_kv_heads, bs + s, a.head_dim), dtype=self.dtype,
+                                     device=self.device)
+            self._sink_ok, self._prev_blk = [False] * a.num_layers, [-1] * a.num_layers
+        return self._keep
+
+    def _keep_block(self, l: int, block: torch.Tensor, index: int) -> None:
+        """Block `index` of the sequence ([2, Hkv, bs, D]) was completed in layer l: keep a device copy, for the
+        plans whose recent rows lie in it (Quest's window right after a block boundary: a load launched for those
+        few rows cost the host ~0.1 ms a layer, 128K on an H200; once a block, 1 MiB on the device, for Qwen3-4B)."""
+        if self.keep_sink:
+            self._kept()[l, :, :, :self.block_size].copy_(block)
+            self._prev_blk[l] = index
 
     def _keep_sink(self, l: int, buf: int, end: int) -> None:
         """Prefill: layer l's first tokens (the sink every load plan starts with), from its buffer to a device copy.
@@ -312,11 +338,7 @@ class LayerwiseRunner(OffloadRunner):
         s = self.policy.sink
         if not self.keep_sink or not 0 < s <= min(end, self.block_size):
             return
-        if self._sink is None or self._sink.shape[3] != s:
-            a = self.args
-            self._sink = torch.empty((a.num_layers, 2, a.num_kv_heads, s, a.head_dim), dtype=self.dtype,
-                                     device=self.device)
-        self._sink[l].copy_(self.oe.buffers[buf][0, :, :, :s])
+        self._kept()[l, :, :, self.block_size:].copy_(self.oe.buffers[buf][0, :, :, :s])
         self._sink_ok[l] = True
 
     def prefetch_next(self, seq: Sequence, ctx: StepContext) -> None:

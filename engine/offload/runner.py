@@ -97,6 +97,7 @@ class OffloadRunner:
         seq.bytes_d2h += self.last_step_bytes[1]
         if rec.enabled:
             rec.resolve_deferred()
+        self.policy.stage_step()       # its counts start for the host: the sampler's sync brings them
         with rec.span(HOST, "sample"):
             tokens = self.sampler(logits, [seq.params], [seq.seq_id])
         self.policy.end_step(ctx)      # after the sampler's sync: what the policy reads of the step is ready
@@ -168,8 +169,8 @@ class OffloadRunner:
         return (*((t.data_ptr(), *t.shape, *t.stride()) for t in (fix.rows, fix.dst)), fix.select is not None), work
 
     def _copy_tokens(self, dst: torch.Tensor, at: int, src: torch.Tensor, a: int, b: int) -> None:
-        """Tokens a..b-1 of one block [2, Hkv, bs, D] -> flat token positions at.. of a buffer [blocks, 2, Hkv, bs,
-        D] (a block boundary there splits the copy in two)."""
+        """Tokens a..b-1 of src [2, Hkv, n, D] (a block, or the layerwise runner's kept copies) -> flat token
+        positions at.. of a buffer [blocks, 2, Hkv, bs, D] (a block boundary there splits the copy)."""
         bs = self.block_size
         while a < b:
             blk, off = at // bs, at % bs

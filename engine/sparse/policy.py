@@ -18,7 +18,7 @@ A policy decides; a runner executes. The runners call these hooks and know nothi
   and, to policies that `look_ahead`, a guess of the next layer's query made from this layer's input:
   `observe_ahead(layer, q, ctx)` may return a `RowFix` that the runner fetches on the copy stream, ahead of
   that layer.
-- `end_step(ctx)` once per step; `step_metrics()`: figures of the step that just ran, for its trace.
+- `stage_step()` before the sampler's sync and `end_step(ctx)` after it, once per step; `step_metrics()`: figures of the step that just ran, for its trace.
 
 A policy reports what it decided to `ctx.recorder`; it never touches a stream, a ring slot or the host pool.
 Its parameters are declared in engine/sparse/specs.py (`spec`), validated there before it is made.
@@ -63,6 +63,8 @@ class LoadPlan:
     moved: int | None = None     # rows per kv head that are not -1 (None: all): the bytes the load moves
     sink: int = 0                # the first rows are the sequence's first `sink` tokens at every step: a runner may
                                  # keep those on the device and, where they are all a load would move, skip it
+    recent: int = 0              # the `recent` rows after the sink are the tokens right before the device tail (the
+                                 # last of the block before the newest token's): a runner may keep those too
 
 
 @dataclass
@@ -172,6 +174,11 @@ class SparsePolicy:
         """Rows (one kv head's token) its `RowFix`es moved in the step `end_step` just closed: the runner adds
         their bytes to the step's host-to-device bytes (their count is known on the device only until then)."""
         return 0
+
+    def stage_step(self) -> None:
+        """Once per decode step, after its last layer and before the sampler's sync: start the copies of what
+        `end_step` reads to the host (asynchronous, on the sampler's stream), so that end_step needs no sync of
+        its own."""
 
     def end_step(self, ctx: StepContext) -> None:
         pass

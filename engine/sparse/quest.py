@@ -120,6 +120,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._fix_dst = torch.zeros(hkv, self.k * ps, **lng)
         self._fetched = torch.zeros(2, L, **lng)                # rows fetched per layer: by the correction, ahead
         self._kept = torch.zeros(L, hkv, dtype=torch.int32, device=dev)   # pages of the previous choice kept
+        self._counts_host, self._staged = None, False          # pinned copies of both (stage_step), and if current
         self._guess = torch.zeros(hkv, self.k, **lng)          # a guessed query's choice (ahead), its scores, kept
         self._guess_scores = torch.zeros(hkv, self.k, dtype=torch.float32, device=dev)
         self._guess_kept = torch.zeros(hkv, dtype=torch.int32, device=dev)
@@ -187,6 +188,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
         self._setup_for, self._plan_for = None, [None, None]
         self._speculate = [True] * self.layout.num_layers
         self._fetched.zero_()
+        self._staged = False
         self.selections = self.fetched = self.fetched_ahead = self.fixes = self.plans = 0
         self.dense_reason = ""
 
@@ -232,7 +234,7 @@ class QuestPolicy(QuestFigures, SparsePolicy):
             self._slots[layer].fill_(-1)
         plan = self._plan if spec else self._bare
         return LoadPlan(plan[par, layer, :, :self.token_budget - tail], tail,
-                        ("quest", layer, chosen[0], context_len, spec), None if spec else base, S)
+                        ("quest", layer, chosen[0], context_len, spec), None if spec else base, S, base - S)
 
     def observe_query(self, layer: int, q: torch.Tensor, ctx: StepContext, defer: bool = False) -> RowFix | None:
         """This step's query of `layer` (q [Hq, D]), before its attention: choose the pages among the candidates;

@@ -37,7 +37,8 @@ class StreamingLLMPolicy(SparsePolicy):
                             torch.arange(context_len - self.window, context_len - device_tail, device=dev)])
         rows = ctx.block_table[tokens // bs] * bs + tokens % bs
         return LoadPlan(rows[None].expand(self.layout.num_kv_heads, -1), device_tail,
-                        ("streamingllm", layer, context_len), tokens.shape[0], self.sink)
+                        ("streamingllm", layer, context_len), tokens.shape[0], self.sink,
+                        self.window - device_tail)
 
     def stats(self) -> dict:
         return {"sink_tokens": self.sink, "window_tokens": self.window, "sparse_loads": self.sparse_loads}

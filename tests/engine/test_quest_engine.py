@@ -257,23 +257,30 @@ def test_a_switch_keeps_the_cached_prefill_kv_and_drops_what_a_sparse_decode_wro
 @pytest.mark.parametrize("policy, params", [
     ("quest", {"token_budget": 96, "dense_layers": 0, "min_context": 0, "min_layer_mb": 0}),
     ("streamingllm", {"sink": 16, "window": 40})])
-def test_a_plan_of_the_sink_alone_loads_nothing_and_answers_alike(tmp_path, policy, params):
-    """Where a layer's plan would move only the sink from the host (the window is on the device, no page is
-    speculated), the sink comes from the device copy made at prefill: the same tokens as loading it, fewer bytes,
-    and exactly the sink's bytes fewer for each layer that skipped its load."""
+def test_a_plan_of_the_sink_and_recent_rows_loads_nothing_and_answers_alike(tmp_path, policy, params):
+    """Where a layer's plan would move only the sink and the window's tokens before the partly filled block from
+    the host (no page is speculated), both come from device copies (the sink's made at prefill, the last complete
+    block's when it completed): the same tokens as loading them, fewer bytes, a whole token's bytes per row kept.
+    The answer crosses a block boundary, so the window reaches back into the block before. StreamingLLM's plans
+    are only those rows: with the copies it loads nothing at all."""
     from tests.engine.tiny import tiny_model
     tiny_model("qwen3", tmp_path)
-    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(5)).tolist()
     runs = []
     for keep in (True, False):
         with LLM(str(tmp_path), device="cpu", kv_block_size=64, mode="layerwise", max_model_len=400, ring_slots=1,
                  policy=policy, policy_params=params) as llm:        # (one slot: the layers take turns in it)
             llm.runner.keep_sink = keep
+            oe, loads = llm.runner.oe, []
+            load_rows = oe.load_rows
+            oe.load_rows = lambda *args, **kw: loads.append(args[1]) or load_rows(*args, **kw)
             out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
             a = llm.args
-            sink_bytes = llm.runner.policy.sink * a.num_kv_heads * 2 * a.head_dim * 4    # K and V, fp32
-            runs.append((out.token_ids, out.stats.bytes_h2d, llm.runner._sink_ok))
-    (kept, b_kept, ok), (loaded, b_loaded, _) = runs
-    assert kept == loaded and all(ok)
+            row_bytes = a.num_kv_heads * 2 * a.head_dim * 4                  # a token of one layer: K and V, fp32
+            runs.append((out.token_ids, out.stats.bytes_h2d, llm.runner._sink_ok, llm.runner._prev_blk, len(loads)))
+    (kept, b_kept, ok, prev, n_kept), (loaded, b_loaded, _, _, n_loaded) = runs
+    assert kept == loaded and all(ok) and prev == [(250 + 15) // 64 - 1] * len(prev)
     saved = b_loaded - b_kept
-    assert saved > 0 and saved % sink_bytes == 0
+    assert saved > 0 and saved % row_bytes == 0 and n_kept < n_loaded
+    if policy == "streamingllm":
+        assert n_kept == 0 and n_loaded > 0

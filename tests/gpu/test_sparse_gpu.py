@@ -172,6 +172,33 @@ def test_decode_graphs_answer_like_eager(policy, params, mode):
     assert outs[0] == outs[1]
 
 
+def test_quest_counts_staged_before_the_sync_match_a_synced_read():
+    """Quest's per-step counts (pages fetched per layer, pages of the previous choice kept, which turns the next
+    plans' speculation on or off) copied to the host before the sampler's sync read as a sync of their own reads
+    them: the same answer, figures and pages fetched, step by step."""
+    prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = {"token_budget": 512, "min_context": 0, "min_layer_mb": 0}
+    got = []
+    for staged in (True, False):
+        llm = LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
+                  kv_block_size=256, policy="quest", policy_params=params)
+        policy, steps = llm.runner.policy, []
+        if not staged:
+            policy.stage_step = lambda: None
+        metrics = policy.step_metrics
+        policy.step_metrics = lambda: steps.append(metrics()) or steps[-1]
+        out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+        assert (policy._counts_host is not None) == staged
+        st = out.stats.policy_stats
+        got.append((out.token_ids, st["fetched_pages_per_step"], st["speculating_layers"],
+                    [{k: v for k, v in m.items() if k.startswith(("quest_fetched", "quest_kept"))} for m in steps]))
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert got[0] == got[1]
+    assert got[0][1] > 0 and any(m for m in got[0][3])
+
+
 def test_quest_in_chunked_mode_on_gpu():
     """The page gather into one-block slots on a real device: a roomy budget answers like Full, a tight one
     moves less."""
