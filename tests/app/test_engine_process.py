@@ -29,7 +29,8 @@ def test_the_engine_answers_from_its_own_process_and_its_steps_are_drawn(window,
     steps = window.worker.turn_steps
     assert [s.phase for s in steps].count("decode") == answer["stats"]["completion_tokens"] - 1
     assert window.timeline.bar_count() > 0
-    assert window.worker.history[-1] == {"role": "assistant", "content": answer["text"]}
+    turn = {"role": "assistant", "content": answer["text"]}   # (the history's copy comes with the request's end,
+    qtbot.waitUntil(lambda: window.worker.history[-1:] == [turn], timeout=5000)   # after the answer's signal)
     assert window.describe()["engine"]["model"] == str(default_model_dir)
 
 
