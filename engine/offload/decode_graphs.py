@@ -35,9 +35,12 @@ import torch
 from engine.models.llama import CausalLM
 from engine.offload import child_graph
 from engine.ops.attention import decode_attention
+from engine.ops.place_tokens import place_tokens
 from engine.ops.store_tokens import store_tokens
 
 STAGING_ROWS = 64   # pinned rows reused round robin: a step stages at most a few, and each step ends in a sync
+META = 9            # a meta row: the new token's block and offset, tokens attended, its decode buffer offset; and
+                    # (packed rows, layerwise) place_tokens' five bounds of the rows taken from the device
 INPUTS = (None, None, None, "inputs")   # the graph key of begin_token's (layer keys: (layer, buffer, layout, part))
 POSITION = (None, None, None, "position")   # ... and of inputs_from_position's
 
@@ -58,9 +61,9 @@ class DecodeGraphs:
         self.sin = torch.zeros_like(self.cos)
         self.q = torch.zeros(1, a.num_heads, a.head_dim, dtype=dt, device=dev)
         self.q_next = torch.zeros_like(self.q)
-        self.meta = torch.zeros(2, 4, dtype=torch.long, device=dev)
+        self.meta = torch.zeros(2, META, dtype=torch.long, device=dev)
         self.token_pos = torch.zeros(2, dtype=torch.long, device=dev)     # begin_token's: the step's token, position
-        self._staging = torch.zeros(STAGING_ROWS, 4, dtype=torch.long, pin_memory=True)
+        self._staging = torch.zeros(STAGING_ROWS, META, dtype=torch.long, pin_memory=True)
         self._staging_np = self._staging.numpy()    # (written through numpy: a tensor's item writes cost µs each)
         self._next_row = 0
         self._meta_now: list[tuple | None] = [None, None]    # what each meta row holds (host copy)
@@ -70,6 +73,14 @@ class DecodeGraphs:
         self.inline = False    # True while a whole step is captured: graphs become its nodes, no staging
         self.children = child_graph.supported()   # keep each graph's cudaGraph_t, to add it to a step's capture
         self._bs = 0
+        self.kept: Callable[[int], torch.Tensor] | None = None   # layerwise: layer -> the runner's device copies
+        # ([2, Hkv, n, D]); packed layouts then take their device rows in the graph (engine/ops/place_tokens.py)
+
+    def drop_layout(self, v: int) -> None:
+        """Forget the graphs of layout v (they read tensors that were made anew: the runner's kept copies)."""
+        for key in [k for k in self.graphs if k[2] == v]:
+            del self.graphs[key]
+        self._warm = {k for k in self._warm if k[2] != v}
 
     def begin_token(self, token: int, position: int) -> None:
         """A new decode step from its token and position: one small copy through a pinned row, then one replay
@@ -94,7 +105,7 @@ class DecodeGraphs:
     def _position(self) -> None:
         self._inputs()
         p = self.token_pos[1:]
-        self.meta[0].copy_(torch.cat([p // self._bs, p % self._bs, p + 1, p % self._bs]))
+        self.meta[0, :4].copy_(torch.cat([p // self._bs, p % self._bs, p + 1, p % self._bs]))
 
     def prepare(self, keys: list[tuple], block_size: int) -> None:
         """Before a whole step's capture: record the graphs of `keys` that ran once but were not recorded yet (a
@@ -113,23 +124,25 @@ class DecodeGraphs:
             if key in self._warm:
                 self._capture(key)
 
-    def _stage(self, values: tuple[int, int, int, int]) -> torch.Tensor:
+    def _stage(self, values: tuple[int, ...]) -> torch.Tensor:
         i = self._next_row
         self._next_row = (i + 1) % STAGING_ROWS
-        self._staging_np[i] = values
+        self._staging_np[i, :len(values)] = values
+        self._staging_np[i, len(values):] = 0
         return self._staging[i]
 
-    def _set_meta(self, v: int, values: tuple[int, int, int, int]) -> None:
+    def _set_meta(self, v: int, values: tuple[int, ...]) -> None:
         if self._meta_now[v] != values:
             self.meta[v].copy_(self._stage(values), non_blocking=True)
             self._meta_now[v] = values
 
-    def run(self, layer: int, buf: int, v: int, meta: tuple[int, int, int, int],
+    def run(self, layer: int, buf: int, v: int, meta: tuple[int, ...],
             between: Callable[[torch.Tensor], tuple[tuple, Callable[[], None]] | None] | None = None,
             ahead: bool = False, early: bool = False) -> torch.Tensor:
         """Replay (capturing on first use) the layer's compute over buffer `buf` in layout v (0 whole blocks,
         1 packed rows), the new token at (block, offset) = meta[:2], meta[2] tokens attended, the new token at
-        offset meta[3] of the layer's decode buffer (kept there when `dbuf` was given). `between(q)`,
+        offset meta[3] of the layer's decode buffer (kept there when `dbuf` was given); with `kept` and packed rows,
+        meta[4:9] bounds the rows the graph takes from the device (place_tokens). `between(q)`,
         if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention; the work it
         may return, (tag, fn) with fn over static tensors that tag names (a correction's gather: the policy's
         tensors, new when the policy is), runs first in the attention's graph. `early`: between launches nothing
@@ -202,6 +215,8 @@ class DecodeGraphs:
         K, V = self.kv_views(buf)
         mod = self.model.layers[layer]
         if part in ("all", "pre", "guess"):
+            if v == 1 and self.kept is not None and self.dbuf is not None:
+                place_tokens(K, V, self.kept(layer), self.dbuf[layer], self.meta[1, 4:9])
             slots = self.meta[v, :2, None]
             keep = None if self.dbuf is None else self.dbuf[layer].transpose(1, 2)    # [2, block_size, Hkv, D]
             at = self.meta[v, 3:4]

@@ -46,6 +46,8 @@ class LayerwiseRunner(OffloadRunner):
         oe = self._engine(self.plan.ring_slots, self.max_blocks_per_seq, self.plan.resident)
         self.decode_graphs = (DecodeGraphs(self.model, oe.kv_views, self.table, self.chunk_tokens, oe.dbuf)
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
+        if self.decode_graphs is not None:
+            self.decode_graphs.kept = lambda l: self._keep[l]     # (made by _load before a packed layer runs)
         self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key, sink kept
                                                         # on the device: its tokens, 0 if loaded) if by rows
         self.keep_sink = True          # a plan's sink and recent rows from device copies, not the host
@@ -131,7 +133,7 @@ class LayerwiseRunner(OffloadRunner):
                     rec.add_event_span(COMPUTE, "wait for copy", mark, began, l, slot=slot)
                 if rec.detail and slot is not None:
                     rec.slot_state(buf, l, COMPUTING, end, oe.capacity_tokens, event=began if marks else None)
-                new, context = self._place_newest(l, buf, packed, n_host, start, end)  # new token's (block, offset)
+                new, context, place = self._place_newest(l, buf, packed, n_host, start, end, graphs is not None)
                 q_last = None
                 looks = observe and (is_prefill or policy.observes(l, end)   # decode: it sees q before attention
                                      or policy.looks_ahead and policy.observes(l + 1, end))   # (or guesses l + 1's)
@@ -144,7 +146,7 @@ class LayerwiseRunner(OffloadRunner):
                     if oe.dbuf_read[l] is not None:  # the graph writes the decode buffer: its last offload read it
                         wait_on(oe.dbuf_read[l], self.device, stream=oe.compute)
                         oe.dbuf_read[l] = None
-                    graphs.run(l, buf, int(packed is not None), (*new, context, (end - 1) % bs), between,
+                    graphs.run(l, buf, int(packed is not None), (*new, context, (end - 1) % bs, *place), between,
                                policy.looks_ahead, early=looks and policy.defers(l, ctx))
                 else:
                     att = (rec.mark() if waited else began) if marks else None   # (after a wait for the fetch ahead)
@@ -217,24 +219,27 @@ class LayerwiseRunner(OffloadRunner):
             work = None
         return work
 
-    def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int):
+    def _place_newest(self, l: int, buf: int, packed, n_host: int, start: int, end: int, in_graph: bool = False):
         """Decode: put the partly filled block's tokens where the attention expects them -> the new token's
-        (block, offset) in the buffer and the context the attention sees. Whole blocks: the partial block right
-        after the host blocks. Packed rows: the plan's device tail (the newest tokens) right after the rows."""
+        (block, offset) in the buffer, the context the attention sees, and (packed rows) the bounds of the rows
+        taken from the device. Whole blocks: the partial block right after the host blocks. Packed rows: the plan's
+        device tail (the newest tokens) right after the rows, and where nothing was loaded the recent rows and the
+        sink first, in that order (attention does not depend on the rows' order), from their device copies;
+        `in_graph`: the layer's graph copies them (engine/ops/place_tokens.py), else copied here."""
         oe, bs = self.oe, self.block_size
         if packed is None:
             oe.writing(buf, n_host)
             if start > n_host * bs:                  # the partly filled block, kept on the device
                 oe.buffers[buf][n_host].copy_(oe.dbuf[l])
-            return (n_host, start % bs), end
-        n_rows, tail = packed[1], packed[2]
-        if packed[4]:               # the recent rows and the sink: from their device copies (nothing was loaded),
-            r = packed[5]           # the first rows in that order (attention does not depend on the rows' order)
-            self._copy_tokens(oe.buffers[buf], 0, self._keep[l], bs - r, bs + packed[4])
+            return (n_host, start % bs), end, ()
+        n_rows, tail, sink, r = packed[1], packed[2], packed[4], packed[5]
         partial = end - n_host * bs                  # tokens of the block being filled, the new one included
-        self._copy_tokens(oe.buffers[buf], n_rows, oe.dbuf[l], partial - tail, partial - 1)
+        keep = (sink + r, bs - r) if sink else (0, 0)
+        if not in_graph:
+            self._copy_tokens(oe.buffers[buf], 0, self._keep[l], keep[1], keep[1] + keep[0])
+            self._copy_tokens(oe.buffers[buf], n_rows, oe.dbuf[l], partial - tail, partial - 1)
         f = n_rows + tail - 1
-        return (f // bs, f % bs), n_rows + tail
+        return (f // bs, f % bs), n_rows + tail, (*keep, tail - 1, partial - tail, n_rows)
 
     def _prefill_attention(self, q, buf: int, end: int, l: int, ctx: StepContext) -> torch.Tensor:
         """The policy's prefill attention over the layer's whole K, V (cached prefix + new tokens)."""
@@ -299,11 +304,11 @@ class LayerwiseRunner(OffloadRunner):
             return
         if self._packed[buf] is not None and self._packed[buf][3] == plan.key:
             return                   # already loaded (the previous step's prefetch)
-        bs = self.block_size         # the recent rows on the device: the block before the newest token's
+        bs, kept = self.block_size, self._kept()   # the recent rows on the device: the block before the newest
         recent = plan.recent if plan.recent == 0 or (plan.recent <= bs and self._prev_blk[layer] ==
                                                      (context_len - 1) // bs - 1) else -1
         sink = plan.sink if (self.keep_sink and plan.sink and recent >= 0 and plan.moved == plan.sink + recent
-                             and self._sink_ok[layer] and self._keep.shape[3] == bs + plan.sink) else 0
+                             and self._sink_ok[layer] and kept.shape[3] == bs + plan.sink) else 0
         if sink:                     # the plan's only host rows are the sink and the recent rows, on the device
             self.oe.packing(buf)     # already (keep_sink off: tools' A/B)
         else:
@@ -315,7 +320,9 @@ class LayerwiseRunner(OffloadRunner):
         none valid, where the policy's sink changed)."""
         bs, s, a = self.block_size, self.policy.sink, self.args
         if self._keep is None or self._keep.shape[3] != bs + s:
-            self._keep = torch.empty((a.num_layers, 2, a.num_kv_heads, bs + s, a.head_dim), dtype=self.dtype,
+            if self._keep is not None and self.decode_graphs is not None:
+                self.decode_graphs.drop_layout(1)        # (their graphs read the old copies)
+            self._keep = torch.zeros((a.num_layers, 2, a.num_kv_heads, bs + s, a.head_dim), dtype=self.dtype,
                                      device=self.device)
             self._sink_ok, self._prev_blk = [False] * a.num_layers, [-1] * a.num_layers
         return self._keep
