@@ -48,8 +48,9 @@ class LayerwiseRunner(OffloadRunner):
                         if self.device.type == "cuda" and not cfg.enforce_eager else None)
         if self.decode_graphs is not None:
             self.decode_graphs.kept = lambda l: self._keep[l]     # (made by _load before a packed layer runs)
-        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key, sink kept
-                                                        # on the device: its tokens, 0 if loaded) if by rows
+        self._packed: list = [None] * len(oe.buffers)  # buffer -> (layer, rows, device tail, plan key, sink and
+                                                        # recent rows taken from the device copies: their token
+                                                        # counts, 0 where loaded) if by rows
         self.keep_sink = True          # a plan's sink and recent rows from device copies, not the host
         self._keep: torch.Tensor | None = None   # [L, 2, Hkv, bs + sink, D]: each layer's last complete block, then
         self._sink_ok = [False] * a.num_layers   # its first tokens (made by this sequence's prefill)

@@ -1,8 +1,8 @@
 """The rows a packed decode buffer takes from the device, in one kernel inside the layer's CUDA graph.
 
 A layerwise decode layer over packed rows (Quest's plan) attends to rows the device holds already: the sink and the
-window's tokens right before the partly filled block (the runner's kept copy, [sink | ...] laid out as [the last
-complete block | the sink]) and the partly filled block's earlier tokens (the layer's decode buffer). Copied from
+window's tokens right before the partly filled block (the runner's kept copies: each layer's last complete block,
+then its sink) and the partly filled block's earlier tokens (the layer's decode buffer). Copied from
 Python they were two or three eager kernels between the layers' graphs, each with a gap of ~2.5 µs while the
 host issued it (H200, 128K, Qwen3-4B shape); here one program per (K or V, kv head) copies both runs, their
 bounds read from a device row (`meta`, staged once a step with the graph's other inputs), so the graph records it.

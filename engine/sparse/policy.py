@@ -18,7 +18,8 @@ A policy decides; a runner executes. The runners call these hooks and know nothi
   and, to policies that `look_ahead`, a guess of the next layer's query made from this layer's input:
   `observe_ahead(layer, q, ctx)` may return a `RowFix` that the runner fetches on the copy stream, ahead of
   that layer.
-- `stage_step()` before the sampler's sync and `end_step(ctx)` after it, once per step; `step_metrics()`: figures of the step that just ran, for its trace.
+- `stage_step()` before the sampler's sync and `end_step(ctx)` after it, once per step; `step_metrics()`: figures
+  of the step that just ran, for its trace.
 
 A policy reports what it decided to `ctx.recorder`; it never touches a stream, a ring slot or the host pool.
 Its parameters are declared in engine/sparse/specs.py (`spec`), validated there before it is made.

@@ -118,8 +118,8 @@ class QuestFigures:
 
     def stage_step(self) -> None:
         """CUDA, before the sampler's sync: the step's counts (rows fetched per layer, pages kept per kv head) to
-        pinned host copies, so that end_step reads them without a sync of its own (a second sync and the small
-        kernels before it idled the GPU ~0.1 ms a step between its steps)."""
+        pinned host copies, so that end_step reads them without a sync of its own (before, three small kernels and
+        a synchronous copy ran after the sampler's sync, between the steps)."""
         if not (self._fixed or self._chose) or self._fetched.device.type != "cuda":
             return
         if self._counts_host is None:
