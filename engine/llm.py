@@ -262,7 +262,7 @@ class LLM:
                 s.disk_checked = True
         if rec.enabled:
             computed = sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
-            rec.begin_step(PREFILL if is_prefill else DECODE, computed)
+            rec.begin_step(PREFILL if is_prefill else DECODE, computed, timeline=not self.runner.issued_ahead)
             for span in reads:
                 if span is not None:
                     rec.add_span(span)

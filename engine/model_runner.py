@@ -115,6 +115,7 @@ class GraphInputs:
 
 class ModelRunner:
     plan = None   # no residency plan: every layer's KV is on the device
+    issued_ahead = False
 
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, policy: SparsePolicy, recorder: Recorder = NULL_RECORDER):

@@ -27,6 +27,7 @@ class Runner(Protocol):
     policy: SparsePolicy
     sampler: Sampler
     plan: ResidencyPlan | None          # layerwise: which layers stay on the device
+    issued_ahead: bool                  # the next decode step's first layers ran already (its timeline: none)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, ctx: StepContext) -> list[int]:
         """One step: the next token of each sequence."""

@@ -281,12 +281,14 @@ def wall_report(llm, steps: int) -> None:
         issued.append(time.perf_counter())
         return logits(self, *args, **kw)
 
-    def timed_layer_done(self, done, total):       # the first layer has been issued
-        if done == 1:
+    def timed_layer_done(self, done, total):       # the step's first layer issued (after layers run ahead)
+        if not first:
             first.append(time.perf_counter())
         return layer_done(self, done, total)
     OffloadRunner._logits, StepContext.layer_done = timed_logits, timed_layer_done
     walls, hosts, starts = [], [], []
+    ahead = getattr(llm.runner, "ahead", None)
+    ahead0 = ahead.steps if ahead is not None else 0
     for _ in range(steps):
         issued.clear()
         first.clear()
@@ -302,6 +304,8 @@ def wall_report(llm, steps: int) -> None:
           f"{statistics.median(hosts):.2f} ms (medians; before its first layer the GPU waits on the host); H2D "
           f"{h2d:.1f} MB in the last step")
     print("  each step (ms):", " ".join(f"{w:.1f}" for w in walls))
+    if ahead is not None:
+        print(f"  steps whose first layers ran ahead (engine/offload/step_ahead.py): {ahead.steps - ahead0} of {steps}")
     st = llm.runner.policy.stats() if llm.runner.policy is not None else {}
     if "fetched_pages_per_step" in st:
         print(f"  per sparse layer and kv head, of {st['pages_per_head']} pages: the correction fetched "

@@ -6,9 +6,10 @@
 A variant is a '+'-joined set of switches flipped between blocks of steps, on the same engine and sequence:
 `look-ahead` (the policy guesses each layer's query one layer early and fetches what the guess chooses;
 the engine is built with look_ahead so that either can run) and `load-sink` (the layerwise runner loads a plan's
-sink from the host instead of its device copy: `LayerwiseRunner.keep_sink`); `plain` flips none. Steps alternate,
+sink from the host instead of its device copy: `LayerwiseRunner.keep_sink`), and `no-step-ahead` (the next step's
+first layers wait for the host's token: engine/offload/step_ahead.py); `plain` flips none. Steps alternate,
 so a host whose speed drifts (the GPU machine's CPUs move by up to 1.8x from minute to minute) hits every variant
-alike; medians and minima per variant, ms per decode step (each step ends in the sampler's sync).
+alike; medians and minima per variant, ms per decode step (each step ends when its token is on the host).
 """
 import argparse
 import json
@@ -20,7 +21,7 @@ import torch
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 
-SWITCHES = ("look-ahead", "load-sink")
+SWITCHES = ("look-ahead", "load-sink", "no-step-ahead")
 
 
 def main() -> None:
@@ -51,6 +52,7 @@ def main() -> None:
         for name, flips in variants.items():
             policy.looks_ahead = "look-ahead" in flips
             runner.keep_sink = "load-sink" not in flips
+            runner.ahead.enabled = "no-step-ahead" not in flips
             runner._packed[:] = [None] * len(runner._packed)   # what the last variant planned is loaded again
             for i in range(a.block + 2):
                 t = time.perf_counter()

@@ -15,6 +15,8 @@ class Sampler:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
         self.leads: dict[int, float] = {}   # the last call's rows that asked (`leads`): top logit - the second
+        self._host: torch.Tensor | None = None   # stage_greedy's pinned tokens and the event they landed with
+        self._landed = None
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -31,6 +33,25 @@ class Sampler:
         for row, p, sid in zip(logits.float(), params, seq_ids):
             tokens.append(int(row.argmax()) if p.greedy else self._sample(row, p, sid))
         return tokens
+
+    def stage_greedy(self, logits: torch.Tensor):
+        """Greedy tokens started for the host without waiting for the stream -> (the tokens on the device [B],
+        read() -> list[int]). CUDA: a copy to pinned memory and an event, so that work issued between the two calls
+        (the next step's first layers) does not delay read(), as a `.tolist()` there would wait for it too."""
+        tokens = logits.argmax(dim=-1)
+        if tokens.device.type != "cuda":
+            return tokens, tokens.tolist
+        if self._host is None or self._host.numel() < tokens.numel():
+            self._host = torch.empty(tokens.numel(), dtype=tokens.dtype, pin_memory=True)
+            self._landed = torch.cuda.Event()
+        host = self._host[:tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        self._landed.record()
+
+        def read() -> list[int]:
+            self._landed.synchronize()
+            return host.tolist()
+        return tokens, read
 
     def _sample(self, logits: torch.Tensor, p: SamplingParams, seq_id: int) -> int:
         logits = logits / p.temperature

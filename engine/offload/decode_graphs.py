@@ -82,17 +82,21 @@ class DecodeGraphs:
             del self.graphs[key]
         self._warm = {k for k in self._warm if k[2] != v}
 
-    def begin_token(self, token: int, position: int) -> None:
+    def begin_token(self, token: int | torch.Tensor, position: int) -> None:
         """A new decode step from its token and position: one small copy through a pinned row, then one replay
         makes the static inputs (the token's embedding, a zero residual, rotary cos/sin), in place of ~15 launches
-        from Python at the start of every step (measured on an H100's host: ~0.4 ms with the GPU idle)."""
+        from Python at the start of every step (measured on an H100's host: ~0.4 ms with the GPU idle). The token
+        may be a device tensor [1] (the sampled one, not read yet: engine/offload/step_ahead.py)."""
         self.set_token(token, position)
         self._replay(INPUTS)
 
-    def set_token(self, token: int, position: int) -> None:
+    def set_token(self, token: int | torch.Tensor, position: int) -> None:
         """The step's token and position -> `token_pos` on the device (one small copy through a pinned row)."""
-        row = self._stage((token, position, 0, 0))
+        on_device = isinstance(token, torch.Tensor)
+        row = self._stage((0 if on_device else token, position, 0, 0))
         self.token_pos.copy_(row[:2], non_blocking=True)
+        if on_device:
+            self.token_pos[:1].copy_(token.view(1))
 
     def inputs_from_position(self, block_size: int) -> None:
         """A whole step's graph starts here (engine/offload/step_graphs.py): the static inputs from `token_pos`,

@@ -23,6 +23,7 @@ from engine.ops.attention import decode_attention, store_kv
 from engine.offload.decode_graphs import DecodeGraphs
 from engine.offload.planner import ResidencyPlan, plan_residency
 from engine.offload.runner import OffloadRunner
+from engine.offload.step_ahead import StepAhead
 from engine.offload.step_graphs import StepGraphs
 from engine.offload.streams import wait_on
 from engine.sequence import Sequence
@@ -56,7 +57,12 @@ class LayerwiseRunner(OffloadRunner):
         self._sink_ok = [False] * a.num_layers   # its first tokens (made by this sequence's prefill)
         self._prev_blk = [-1] * a.num_layers     # the sequence's block each layer's copy holds (-1: none)
         self.step_graphs = StepGraphs(self)
+        self.ahead = StepAhead(self)
         return oe
+
+    @property
+    def issued_ahead(self) -> bool:
+        return self.ahead.issued is not None
 
     def set_policy(self, policy) -> None:
         """The next requests' policy; the layers it reads whole every step (Quest's dense layers) become the
@@ -86,7 +92,8 @@ class LayerwiseRunner(OffloadRunner):
 
     def forward(self, seq: Sequence, is_prefill: bool, ctx: StepContext) -> torch.Tensor:
         graphs = None if is_prefill else self.decode_graphs
-        if graphs is not None and self.step_graphs.run(seq, ctx):   # the whole step, one graph replay
+        issued = self.ahead.take(seq, is_prefill)        # its first layers, run after the last step's logits
+        if issued is None and graphs is not None and self.step_graphs.run(seq, ctx):   # the whole step, one replay
             n = len(self.model.layers)
             ctx.layer_done(n, n)
             self._steps += 1
@@ -94,20 +101,35 @@ class LayerwiseRunner(OffloadRunner):
         start, end = (seq.num_cached_tokens if is_prefill else len(seq) - 1), len(seq)
         if is_prefill:
             self._sink_ok, self._prev_blk = [False] * len(self.model.layers), [-1] * len(self.model.layers)
-        if graphs is not None:       # decode: each layer's compute is one or two graph replays over static inputs
+        if issued is not None:
+            inputs = issued.inputs
+        elif graphs is not None:     # decode: each layer's compute is one or two graph replays over static inputs
             graphs.begin_token(seq.token_ids[-1], start)
             inputs = graphs.h, graphs.residual, None, None, None
         else:
             h, residual, pos, cos_sin = self._inputs(seq, start, end)
             inputs = h, residual, pos, cos_sin, torch.stack([pos // self.block_size, pos % self.block_size])
-        self._layers(seq, is_prefill, ctx, graphs, *inputs)
+        self._layers(seq, is_prefill, ctx, graphs, *inputs, first=0 if issued is None else issued.layers)
         self._steps += 1
         return self._logits(inputs[0], inputs[1], ctx)
 
+    def _sample(self, seq: Sequence, logits: torch.Tensor, ctx: StepContext) -> list[int]:
+        """The token, and where the next decode step's first layers need nothing from the host, those layers
+        issued before the token is read (engine/offload/step_ahead.py)."""
+        n = self.ahead.layers(seq, ctx)
+        if not n:
+            return super()._sample(seq, logits, ctx)
+        token, read = self.sampler.stage_greedy(logits)
+        self.ahead.issue(seq, ctx, token, n)
+        return read()
+
     def _layers(self, seq: Sequence, is_prefill: bool, ctx: StepContext, graphs: DecodeGraphs | None,
-                h: torch.Tensor, residual: torch.Tensor, pos, cos_sin, slots, ahead: bool = True) -> None:
+                h: torch.Tensor, residual: torch.Tensor, pos, cos_sin, slots, ahead: bool = True,
+                first: int = 0, stop: int | None = None) -> None:
         """The step's loads and every layer's compute (what a step graph records, engine/offload/step_graphs.py);
-        `ahead`: and the next decode step's first loads (a step graph issues those after its replay)."""
+        `ahead`: and the next decode step's first loads (a step graph issues those after its replay). Layers
+        first..stop-1 only: a decode step's first layers issued ahead (engine/offload/step_ahead.py), then the rest;
+        the step's first loads are issued with layer 0."""
         oe, bs, rec, model, policy = self.oe, self.block_size, ctx.recorder, self.model, self.policy
         start = seq.num_cached_tokens if is_prefill else len(seq) - 1
         end = len(seq)
@@ -117,11 +139,12 @@ class LayerwiseRunner(OffloadRunner):
         S, N = len(self.streamed), oe.ring_slots
         marks = rec.detail and self.device.type == "cuda"   # CUDA timeline: layers share their boundary marks
         mark = rec.mark() if marks else None
-        for layer in oe.resident:                    # cached prefix of resident layers (no-op once held)
+        for layer in oe.resident if first == 0 else ():   # cached prefix of resident layers (no-op once held)
             self._load(oe.resident[layer], layer, table[:n_host], end, is_prefill, ctx)
-        for j in range(min(N, S)):                   # no-op where last step's prefetch already did it
+        for j in range(min(N, S) if first == 0 else 0):   # no-op where last step's prefetch already did it
             self._load(self._buffer(self.streamed[j]), self.streamed[j], table[:n_host], end, is_prefill, ctx)
-        for l, layer in enumerate(model.layers):
+        for l in range(first, len(model.layers) if stop is None else stop):
+            layer = model.layers[l]
             buf = self._buffer(l)
             packed = self._packed[buf] if self._packed[buf] and self._packed[buf][0] == l else None
             slot = buf if buf < N else None

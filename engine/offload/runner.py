@@ -38,6 +38,7 @@ def prefill_chunk(intermediate_size: int, dtype: torch.dtype) -> int:
 class OffloadRunner:
     mode = "offload"
     plan = None   # layerwise sets its residency plan
+    issued_ahead = False   # layerwise: the next step's first layers ran already (engine/offload/step_ahead.py)
 
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, policy: SparsePolicy, recorder: Recorder = NULL_RECORDER):
@@ -99,7 +100,7 @@ class OffloadRunner:
             rec.resolve_deferred()
         self.policy.stage_step()       # its counts start for the host: the sampler's sync brings them
         with rec.span(HOST, "sample"):
-            tokens = self.sampler(logits, [seq.params], [seq.seq_id])
+            tokens = self._sample(seq, logits, ctx)
         self.policy.end_step(ctx)      # after the sampler's sync: what the policy reads of the step is ready
         fixed = self.policy.fetched_rows() * 2 * self.args.head_dim * self.dtype.itemsize   # K and V rows
         self.last_step_bytes = (self.last_step_bytes[0] + fixed, self.last_step_bytes[1])
@@ -111,6 +112,9 @@ class OffloadRunner:
 
     def forward(self, seq: Sequence, is_prefill: bool, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, ctx: StepContext) -> list[int]:
+        return self.sampler(logits, [seq.params], [seq.seq_id])
 
     def _device_table(self, table: list[int]) -> torch.Tensor:
         """A block table on the device, copied again only when it changed (at decode: once every block_size

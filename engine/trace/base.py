@@ -33,8 +33,11 @@ class Recorder:
     last: StepTrace | None = None
     on_step: Callable[[StepTrace], None] | None = None
 
-    def begin_step(self, phase: str, n_tokens: int = 0) -> None:
+    def begin_step(self, phase: str, n_tokens: int = 0, timeline: bool = True) -> None:
         pass
+
+    def next_detailed(self) -> bool:
+        return False
 
     def begin_part(self, i: int, n: int) -> None:
         pass

@@ -176,16 +176,16 @@ class TraceRecorder(Recorder):
             return self._torch.cuda.Event(enable_timing=True)
 
     # ---------------------------------------------------------------- recording
-    def begin_step(self, phase: str, n_tokens: int = 0) -> None:
+    def begin_step(self, phase: str, n_tokens: int = 0, timeline: bool = True) -> None:
         """Open a step (one that is still open is closed first, with metric `incomplete` = 1); decide whether it
-        records the per-layer timeline (see Detail above)."""
+        records the per-layer timeline (see Detail above; `timeline` False: not this one, a decode step whose first
+        layers ran before it opened, as `next_detailed` allowed)."""
         if self._open:
             self.end_step({"incomplete": 1.0})
         self._phase, self._n_tokens, self._open = phase, int(n_tokens), True
         self._t_begin = now = self.now_us()
         self._decodes = self._decodes + 1 if phase == "decode" else 0
-        self.detail = (phase != "decode" or now - self._last_detail_us >= self._detail_every_us
-                       or self._decodes == EARLY_DECODE)
+        self.detail = timeline and self._due(phase, now, self._decodes)
         if self.detail:
             self._last_detail_us = now
         if self._nvtx is not None:                # (CUDA only) closed by end_step
@@ -196,6 +196,13 @@ class TraceRecorder(Recorder):
         elif self._cuda:
             self._clock = None
         self._step_detail = self.detail
+
+    def _due(self, phase: str, now: float, decodes: int) -> bool:
+        return phase != "decode" or now - self._last_detail_us >= self._detail_every_us or decodes == EARLY_DECODE
+
+    def next_detailed(self) -> bool:
+        """Would a decode step opened now, after the open one, record its timeline?"""
+        return self._due("decode", self.now_us(), self._decodes + 1)
 
     def begin_part(self, i: int, n: int) -> None:
         """Part i of the open step's n begins (a chunked prefill's chunk): decide whether it records the per-layer
