@@ -19,8 +19,9 @@ def llm():
     """Qwen3-4B's shape, random weights, fp32 (greedy tokens comparable step for step); a device budget that keeps
     Quest's two dense layers resident and streams the rest."""
     with LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
-             kv_block_size=256, policy="quest", policy_params=QUEST, gpu_kv_budget_gb=0.2) as engine:
-        assert {0, 1} <= set(engine.runner.oe.resident) and len(engine.runner.streamed) > 20
+             kv_block_size=256, policy="quest", policy_params=QUEST, gpu_kv_budget_gb=0.3) as engine:
+        resident = set(engine.runner.oe.resident)
+        assert {0, 1} <= resident and len(engine.runner.streamed) > 20, (resident, engine.runner.plan)
         yield engine
 
 
