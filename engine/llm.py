@@ -262,7 +262,8 @@ class LLM:
                 s.disk_checked = True
         if rec.enabled:
             computed = sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
-            rec.begin_step(PREFILL if is_prefill else DECODE, computed, timeline=not self.runner.issued_ahead)
+            timeline = is_prefill or not self.runner.issued_ahead   # (issued ahead: its first layers ran untimed)
+            rec.begin_step(PREFILL if is_prefill else DECODE, computed, timeline=timeline)
             for span in reads:
                 if span is not None:
                     rec.add_span(span)

@@ -29,7 +29,7 @@ class _Next:
     """The sequence as its next decode step sees it: one token longer, that token still on the device."""
 
     def __init__(self, seq: Sequence):
-        self.seq, self.block_table, self.num_cached_tokens = seq, seq.block_table, seq.num_cached_tokens
+        self.block_table, self.num_cached_tokens = seq.block_table, seq.num_cached_tokens
         self._len = len(seq) + 1
 
     def __len__(self) -> int:

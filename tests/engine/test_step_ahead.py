@@ -53,8 +53,13 @@ def test_an_answer_cancelled_after_a_step_issued_ahead_leaves_the_next_request_r
         llm.step()
     assert llm.runner.issued_ahead
     llm.cancel(seq)
-    got, issued = _answer(llm, True, follow, max_tokens=12)
+    rec = llm.recorder = TraceRecorder(detail_hz=1.0)
+    try:
+        got, issued = _answer(llm, True, follow, max_tokens=12)
+    finally:
+        llm.recorder = None
     assert not llm.runner.issued_ahead and got == want and issued
+    assert rec.steps[0].phase == "prefill" and rec.steps[0].detailed     # the next request's timeline is whole
 
 
 def test_a_timeline_is_recorded_only_in_steps_that_ran_whole(engine):
