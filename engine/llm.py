@@ -262,8 +262,8 @@ class LLM:
                 s.disk_checked = True
         if rec.enabled:
             computed = sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
-            timeline = is_prefill or not self.runner.issued_ahead   # (issued ahead: its first layers ran untimed)
-            rec.begin_step(PREFILL if is_prefill else DECODE, computed, timeline=timeline)
+            rec.begin_step(PREFILL if is_prefill else DECODE, computed,   # (a step issued ahead ran untimed)
+                           timeline=not self.runner.issued_for(seqs, is_prefill))
             for span in reads:
                 if span is not None:
                     rec.add_span(span)

@@ -115,7 +115,9 @@ class GraphInputs:
 
 class ModelRunner:
     plan = None   # no residency plan: every layer's KV is on the device
-    issued_ahead = False
+
+    def issued_for(self, seqs: list[Sequence], is_prefill: bool) -> bool:
+        return False
 
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, policy: SparsePolicy, recorder: Recorder = NULL_RECORDER):

@@ -27,10 +27,12 @@ class Runner(Protocol):
     policy: SparsePolicy
     sampler: Sampler
     plan: ResidencyPlan | None          # layerwise: which layers stay on the device
-    issued_ahead: bool                  # the next decode step's first layers ran already (its timeline: none)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, ctx: StepContext) -> list[int]:
         """One step: the next token of each sequence."""
+
+    def issued_for(self, seqs: list[Sequence], is_prefill: bool) -> bool:
+        """Did this step's first layers run already, after the last step's logits (its timeline then: none)?"""
 
     def set_policy(self, policy: SparsePolicy) -> None:
         """The policy of the next requests (between requests only)."""

@@ -60,9 +60,8 @@ class LayerwiseRunner(OffloadRunner):
         self.ahead = StepAhead(self)
         return oe
 
-    @property
-    def issued_ahead(self) -> bool:
-        return self.ahead.issued is not None
+    def issued_for(self, seqs: list[Sequence], is_prefill: bool) -> bool:
+        return len(seqs) == 1 and self.ahead.holds(seqs[0], is_prefill)
 
     def set_policy(self, policy) -> None:
         """The next requests' policy; the layers it reads whole every step (Quest's dense layers) become the
@@ -107,11 +106,15 @@ class LayerwiseRunner(OffloadRunner):
             graphs.begin_token(seq.token_ids[-1], start)
             inputs = graphs.h, graphs.residual, None, None, None
         else:
-            h, residual, pos, cos_sin = self._inputs(seq, start, end)
-            inputs = h, residual, pos, cos_sin, torch.stack([pos // self.block_size, pos % self.block_size])
+            inputs = self.eager_inputs(seq, start, end)
         self._layers(seq, is_prefill, ctx, graphs, *inputs, first=0 if issued is None else issued.layers)
         self._steps += 1
         return self._logits(inputs[0], inputs[1], ctx)
+
+    def eager_inputs(self, seq: Sequence | None, start: int, end: int, ids: torch.Tensor | None = None) -> tuple:
+        """An eager step's inputs for positions start..end-1: h, residual, pos, cos/sin, their (block, offset)."""
+        h, residual, pos, cos_sin = self._inputs(seq, start, end, ids)
+        return h, residual, pos, cos_sin, torch.stack([pos // self.block_size, pos % self.block_size])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, ctx: StepContext) -> list[int]:
         """The token, and where the next decode step's first layers need nothing from the host, those layers

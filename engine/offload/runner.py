@@ -38,7 +38,6 @@ def prefill_chunk(intermediate_size: int, dtype: torch.dtype) -> int:
 class OffloadRunner:
     mode = "offload"
     plan = None   # layerwise sets its residency plan
-    issued_ahead = False   # layerwise: the next step's first layers ran already (engine/offload/step_ahead.py)
 
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, policy: SparsePolicy, recorder: Recorder = NULL_RECORDER):
@@ -116,6 +115,10 @@ class OffloadRunner:
     def _sample(self, seq: Sequence, logits: torch.Tensor, ctx: StepContext) -> list[int]:
         return self.sampler(logits, [seq.params], [seq.seq_id])
 
+    def issued_for(self, seqs: list[Sequence], is_prefill: bool) -> bool:
+        """Did this step's first layers run already, untimed (layerwise: engine/offload/step_ahead.py)?"""
+        return False
+
     def _device_table(self, table: list[int]) -> torch.Tensor:
         """A block table on the device, copied again only when it changed (at decode: once every block_size
         tokens; a 128K context's 513 entries took ~0.1 ms of the step's start from Python every step)."""
@@ -149,10 +152,13 @@ class OffloadRunner:
         self.oe.synchronize()
 
     # ---------------------------------------------------------------- shared pieces
-    def _inputs(self, seq: Sequence, start: int, end: int):
-        """Token ids, positions and rotary cos/sin of positions start..end-1; residual starts at zero (x + 0 == x)."""
-        pin = self.device.type == "cuda"
-        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+    def _inputs(self, seq: Sequence | None, start: int, end: int, ids: torch.Tensor | None = None):
+        """Token ids, positions and rotary cos/sin of positions start..end-1; residual starts at zero (x + 0 == x).
+        `ids`: the tokens on the device already (a step issued ahead: the sampled one), else seq's."""
+        if ids is None:
+            pin = self.device.type == "cuda"
+            ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, pin_memory=pin).to(self.device,
+                                                                                                non_blocking=True)
         pos = torch.arange(start, end, device=self.device)
         h = self.model.embed_tokens(ids)
         return h, torch.zeros_like(h), pos, self.model.rotary.cos_sin(pos, h.dtype)

@@ -78,18 +78,18 @@ class StepAhead:
         if graphs is not None:
             graphs.begin_token(token, L)
             inputs = graphs.h, graphs.residual, None, None, None
-        else:                                 # (eager: h, residual, pos, cos/sin, slots, as _inputs makes them)
-            pos = torch.tensor([L], device=r.device)
-            h = r.model.embed_tokens(token.view(1))
-            inputs = h, torch.zeros_like(h), pos, r.model.rotary.cos_sin(pos, h.dtype), torch.stack(
-                [pos // r.block_size, pos % r.block_size])
+        else:
+            inputs = r.eager_inputs(None, L, L + 1, token.view(1))
         r._layers(_Next(seq), False, nxt, graphs, *inputs, stop=n)
         self.issued = Issued(seq.seq_id, L + 1, n, inputs)
         self.steps += 1
 
+    def holds(self, seq: Sequence, is_prefill: bool) -> bool:
+        """Are the layers issued ahead this step's (a decode step of that sequence at that length)?"""
+        i = self.issued
+        return i is not None and not is_prefill and i.seq_id == seq.seq_id and i.length == len(seq)
+
     def take(self, seq: Sequence, is_prefill: bool) -> Issued | None:
         """This step's layers issued ahead, if they are this step's (else dropped: see the module's docstring)."""
-        issued, self.issued = self.issued, None
-        if issued is None or is_prefill or issued.seq_id != seq.seq_id or issued.length != len(seq):
-            return None
+        issued, self.issued = (self.issued if self.holds(seq, is_prefill) else None), None
         return issued

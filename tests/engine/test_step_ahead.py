@@ -51,14 +51,14 @@ def test_an_answer_cancelled_after_a_step_issued_ahead_leaves_the_next_request_r
     seq = llm.add_request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(8):
         llm.step()
-    assert llm.runner.issued_ahead
+    assert llm.runner.ahead.issued is not None
     llm.cancel(seq)
     rec = llm.recorder = TraceRecorder(detail_hz=1.0)
     try:
         got, issued = _answer(llm, True, follow, max_tokens=12)
     finally:
         llm.recorder = None
-    assert not llm.runner.issued_ahead and got == want and issued
+    assert llm.runner.ahead.issued is None and got == want and issued
     assert rec.steps[0].phase == "prefill" and rec.steps[0].detailed     # the next request's timeline is whole
 
 

@@ -64,7 +64,7 @@ def test_a_cancelled_answer_leaves_the_next_request_right(llm):
     seq = llm.add_request(PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))
     for _ in range(10):
         llm.step()
-    assert llm.runner.issued_ahead
+    assert llm.runner.ahead.issued is not None
     llm.cancel(seq)
     got, issued = _answer(llm, True, follow, tokens=16)
     assert got == want and issued > 0
