@@ -76,6 +76,12 @@ class DecodeGraphs:
         self.kept: Callable[[int], torch.Tensor] | None = None   # layerwise: layer -> the runner's device copies
         # ([2, Hkv, n, D]); packed layouts then take their device rows in the graph (engine/ops/place_tokens.py)
 
+    def drop_work(self) -> None:
+        """Forget the graphs that run a policy's work (keys with a tag): a new policy's tensors may lie where the old
+        one's did, so a tag of their addresses can match while the work's other tensors (the choice's) are gone."""
+        self.graphs = {k: g for k, g in self.graphs.items() if len(k) < 5}
+        self._warm = {k for k in self._warm if len(k) < 5}
+
     def drop_layout(self, v: int) -> None:
         """Forget the graphs of layout v (they read tensors that were made anew: the runner's kept copies)."""
         for key in [k for k in self.graphs if k[2] == v]:
@@ -149,9 +155,9 @@ class DecodeGraphs:
         meta[4:9] bounds the rows the graph takes from the device (place_tokens). `between(q)`,
         if given, runs eagerly after q is made (and with `ahead` q_next) and before the attention; the work it
         may return, (tag, fn) with fn over static tensors that tag names (a correction's gather: the policy's
-        tensors, new when the policy is), runs first in the attention's graph. `early`: between launches nothing
-        that reads q (its work does, in the graph), so it runs first and the layer is one graph: q, the work, the
-        attention (one replay a layer fewer).
+        tensors; a policy switch drops these graphs, drop_work), runs first in the attention's graph. `early`:
+        between launches nothing that reads q (its work does, in the graph), so it runs first and the layer is one
+        graph: q, the work, the attention (one replay a layer fewer).
         -> q [1, Hq, D] (static)."""
         if self.inline:      # inside a step graph's capture: meta[0] comes from the position (inputs_from_position)
             assert v == 0 and between is None, "a step graph holds whole-block layers only"

@@ -76,6 +76,8 @@ class OffloadRunner:
         """The sparse policy of the next requests (between requests only)."""
         self.policy = attach(policy, self.args, self.block_size, self.device, self.dtype, self.num_blocks,
                              self.max_blocks_per_seq, self.device.type == "cuda" and not self.config.enforce_eager)
+        if getattr(self, "decode_graphs", None) is not None:   # (none yet while the runner is being made)
+            self.decode_graphs.drop_work()
 
     def run(self, seqs: list[Sequence], is_prefill: bool, ctx: StepContext) -> list[int]:
         if len(seqs) != 1:

@@ -218,8 +218,10 @@ def test_quest_in_chunked_mode_on_gpu():
 
 
 def test_a_policy_switch_keeps_the_decode_graphs_valid():
-    """Graphs that record a policy's tensors (Quest's correction gather) are not replayed for the next policy:
-    after full -> quest(512) -> quest(1024) on one engine, the last answers as a fresh quest(1024) engine."""
+    """Graphs that record a policy's tensors (Quest's correction gather) are not replayed for the next policy,
+    even where the new policy's tensors lie at the old one's addresses (the bench crashed with an illegal address
+    after such switches): after full -> quest(1024) -> quest(512) -> quest(1024) on one engine, none is kept and
+    the last answers as a fresh quest(1024) engine."""
     prompt = torch.randint(0, 150000, (3000,), generator=torch.Generator().manual_seed(1)).tolist()
     quest = {"page_size": 32, "min_context": 0, "min_layer_mb": 0}
 
@@ -227,9 +229,10 @@ def test_a_policy_switch_keeps_the_decode_graphs_valid():
         return LLM(shape=shape_config("qwen3-4b"), dtype="float32", max_model_len=4096, mode="layerwise",
                    kv_block_size=256, policy=policy, policy_params=params, gpu_kv_budget_gb=0.25)   # ring + 2 resident layers
     llm = engine("full", {})
-    for budget in (512, 1024):
+    for budget in (1024, 512, 1024):
         llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
         llm.set_policy("quest", {**quest, "token_budget": budget})
+        assert not [key for key in llm.runner.decode_graphs.graphs if len(key) == 5]   # (key, tag): a policy's work
     switched = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     llm.close()
     fresh = engine("quest", {**quest, "token_budget": 1024})
