@@ -70,6 +70,8 @@ def _main(argv=None) -> int:
     p.add_argument("--phases", default="prefill,decode", help="what to time: prefill, decode or both")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
+    p.add_argument("--no-details", action="store_true", help="skip the offload modes' extra runs after the table "
+                   "(a traced decode's GB/s, busy and exposed copies; Quest's recall run)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     from engine.paths import output_file_problem
@@ -85,8 +87,7 @@ def _main(argv=None) -> int:
         lines = run(parse_config(shape_config(args.shape or "qwen3-4b")), lengths)
         print("\n".join(lines))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"kernels": lines}, f, indent=2)
+            _write(args.json, {"kernels": lines})
         return 0
     steps = args.decode_steps or (64 if on_gpu else 32)
     max_len = max(lengths) + steps + 16
@@ -124,7 +125,10 @@ def _main(argv=None) -> int:
                     samples[e.name].append(value)
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
         raw[what] = samples
-    extra = _offload_details(ours, lengths, steps, phases)
+        print("#   " + ", ".join(f"{n} {v:,.2f}" for n, v in rows[what].items()), file=sys.stderr, flush=True)
+        if args.json:             # what is measured so far, should the run be cut short (a lent machine's limit)
+            _write(args.json, {"partial": True, "rows": rows, "repeats": raw})
+    extra = {"lines": [], "data": {}} if args.no_details else _offload_details(ours, lengths, steps, phases)
     first = ours[0].llm
     desc = (f"{first.model_name} · {first.device} · {str(first.dtype).removeprefix('torch.')} · "
             f"torch {torch.__version__} · graphs {'on' if any(_graphs(o.llm.runner) for o in ours) else 'off'}")
@@ -159,9 +163,13 @@ def _main(argv=None) -> int:
     for line in extra["lines"]:
         print(line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"setup": desc, "rows": rows, "repeats": raw, "offload": extra["data"]}, f, indent=2)
+        _write(args.json, {"setup": desc, "rows": rows, "repeats": raw, "offload": extra["data"]})
     return 0
+
+
+def _write(path: str, results: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
 
 
 def _speedup(ours: float, other: float, what: str) -> float:
@@ -207,13 +215,12 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int, phases: l
         a, dt = o.llm.args, o.llm.dtype
         per_tok = a.kv_bytes_per_token * dt.itemsize
         for m in lengths:
-            d = o.decode_trace(m, min(steps, 16))
+            d = o.decode_trace(m, min(steps, 16))          # (its prefill's and decode's H2D bytes too)
             floor_ms = m * per_tok / PCIE_GBPS / 1e6
-            o.prefill_s(m)
             bs = o.llm.config.kv_block_size
             C = -(-m // bs)
             formula = a.num_layers * per_tok // a.num_layers * bs * C * (C - 1) // 2 if o.mode == "chunked" else 0
-            d.update(pcie_floor_ms=floor_ms, prefill_h2d_gb=o.last.bytes_h2d / 1e9, formula_h2d_gb=formula / 1e9,
+            d.update(pcie_floor_ms=floor_ms, formula_h2d_gb=formula / 1e9,
                      plan=o.llm.plan.describe() if o.llm.plan is not None else None)
             data[f"{o.name}@{m}"] = d
             floor = f" (PCIe floor {floor_ms:.1f} ms at {PCIE_GBPS} GB/s: {d['ms_per_token_traced'] / floor_ms:.2f}x)"
@@ -222,11 +229,7 @@ def _offload_details(ours: list[Ours], lengths: list[int], steps: int, phases: l
                          f"{d['exposed_copy_ms_per_token']:.1f} ms/token; prefill H2D {d['prefill_h2d_gb']:.2f} GB"
                          + (f" (formula L*b*B*C(C-1)/2 = {d['formula_h2d_gb']:.2f} GB)" if o.mode == "chunked" else ""))
             if o.policy == "quest":                        # recall needs the whole K read back: a separate run
-                new = 8
-                o._run(m, new + 1)
-                d["decode_h2d_gb_per_token"] = (o.last.bytes_h2d / 1e9 - d["prefill_h2d_gb"]) / new   # (chunked
-                #  prefill re-reads earlier blocks: the same bytes for a prompt of the same length)
-                o._run(m, new + 1, recall=True)
+                o._run(m, 9, recall=True)
                 d.update({k: v for k, v in o.last.policy_stats.items()})
                 lines.append(f"  quest: H2D {d['decode_h2d_gb_per_token']:.3f} GB/token (full: {m * per_tok / 1e9:.3f}); "
                              f"recall {d.get('recall', 1.0):.3f} (the speculation alone "

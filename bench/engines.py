@@ -102,9 +102,13 @@ class Ours:
             self._run(ctx, steps + 1)
         finally:
             self.llm.recorder = None
-        decodes = [s for s in rec.steps if s.phase == "decode"][2:]
+        every = [s for s in rec.steps if s.phase == "decode"]      # (the recorder holds them all: max_steps)
+        decodes = every[2:]
         sm = summarize(decodes)
+        step_h2d = [float(s.metrics.get("bytes_h2d", 0.0)) for s in every]
         return {"h2d_gbps": sm.gbps.get("h2d", 0.0), "compute_busy": sm.busy_fraction.get("compute", 0.0),
+                "prefill_h2d_gb": (self.last.bytes_h2d - sum(step_h2d)) / 1e9,     # this run's, less its decode's
+                "decode_h2d_gb_per_token": sum(step_h2d) / max(1, len(step_h2d)) / 1e9,
                 "exposed_copy_ms_per_token": sm.exposed_copy_us / 1e3 / max(1, len(decodes)),
                 "ms_per_token_traced": (decodes[-1].t1_us - decodes[0].t0_us) / 1e3 / max(1, len(decodes)),
                 "first_steps_ms": [round(s.dur_us / 1e3, 1) for s in rec.steps if s.phase == "decode"][:3]}
