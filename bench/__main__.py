@@ -112,10 +112,12 @@ def _main(argv=None) -> int:
         n = max(lengths)
         measures.append(("  GPU only, graph replay (ms)", lambda e: 1e3 * e.decode_graph_s(n) if e is gpu else None))
     rows: dict[str, dict[str, float]] = {}
+    bare: set[str] = set()                           # rows printed without ratios
     raw: dict[str, dict[str, list[float]]] = {}      # every repeat's value, for the paired ratios
     for what, fn in measures:  # engines alternate within each repeat, so drift hits all alike
         print(f"# {what}", file=sys.stderr, flush=True)
         samples: dict[str, list[float]] = {e.name: [] for e in engines}
+        step_ms: dict[str, list[float]] = {e.name: [] for e in engines}    # ours: each decode step's wall time
         for e in engines:
             fn(e)  # warm-up
         for _ in range(args.repeats):
@@ -123,8 +125,16 @@ def _main(argv=None) -> int:
                 value = fn(e)
                 if value is not None:
                     samples[e.name].append(value)
+                if what.startswith("decode @"):
+                    step_ms[e.name] += getattr(e, "step_ms", None) or []
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
         raw[what] = samples
+        if any(step_ms.values()):  # a mean over an answer against its steps' median: a few slow steps show here
+            for label, f in (("median step", statistics.median), ("slowest step", max)):
+                row = f"  {label} @{what.split('@')[1].split()[0]} (ms)"
+                rows[row] = {n: f(v) for n, v in step_ms.items() if v}
+                raw[row] = {n: list(v) for n, v in step_ms.items() if v}      # (every step, in the file)
+                bare.add(row)
         print("#   " + ", ".join(f"{n} {v:,.2f}" for n, v in rows[what].items()), file=sys.stderr, flush=True)
         if args.json:             # what is measured so far, should the run be cut short (a lent machine's limit)
             _write(args.json, {"partial": True, "rows": rows, "repeats": raw})
@@ -145,6 +155,9 @@ def _main(argv=None) -> int:
     print(f"{'':28}" + "".join(f"{n:>{w[n]}}" for n in names))
     for what, vals in rows.items():
         line = f"{what:28}" + "".join(f"{vals.get(n, float('nan')):>{w[n]},.2f}" for n in names)
+        if what in bare:
+            print(line)
+            continue
         for other in ("transformers", "kvscope"):
             if other in vals and "kvscope" in vals and other != "kvscope":
                 line += f"   {_ratio(vals['kvscope'], vals[other], what)} vs {other}"

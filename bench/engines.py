@@ -81,7 +81,19 @@ class Ours:
         base = _allocated()
         if self.llm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        out = self.llm.generate([self._prompt(n)], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+        llm, step, self.step_ms = self.llm, self.llm.step, []
+
+        def timed_step():            # each decode step's wall time: is a mean made by a few slow steps?
+            decode = all(s.num_completion_tokens for s in llm.scheduler.running) and not llm.scheduler.waiting
+            t = time.perf_counter()
+            step()
+            if decode:
+                self.step_ms.append((time.perf_counter() - t) * 1e3)
+        llm.step = timed_step
+        try:
+            out = llm.generate([self._prompt(n)], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+        finally:
+            del llm.step
         if self.llm.device.type == "cuda":
             self.peak_bytes = max(self.peak_bytes, self.static_bytes + torch.cuda.max_memory_allocated() - base)
         self.last = out.stats
@@ -155,6 +167,10 @@ class OursTraced:
             return fn(*args)
         finally:
             self.ours.llm.recorder = None
+
+    @property
+    def step_ms(self) -> list[float]:
+        return self.ours.step_ms
 
     def prefill_s(self, n: int) -> float:
         return self._traced(self.ours.prefill_s, n)
