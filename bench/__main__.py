@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from app.heap import Collections, freeze
 from bench.engines import Ours, OursTraced, Transformers, TransformersOffloaded
 from bench.shapes import shape_config
 from engine.sparse import get_spec, parse_policy_spec
@@ -70,6 +71,8 @@ def _main(argv=None) -> int:
     p.add_argument("--phases", default="prefill,decode", help="what to time: prefill, decode or both")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--trace", action="store_true", help="also run ours with a recording recorder (tracing overhead)")
+    p.add_argument("--no-freeze", action="store_true", help="leave the warm engines' objects in Python's full "
+                   "collections (the app and the command line freeze them: app/heap.py)")
     p.add_argument("--no-details", action="store_true", help="skip the offload modes' extra runs after the table "
                    "(a traced decode's GB/s, busy and exposed copies; Quest's recall run)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -114,12 +117,16 @@ def _main(argv=None) -> int:
     rows: dict[str, dict[str, float]] = {}
     bare: set[str] = set()                           # rows printed without ratios
     raw: dict[str, dict[str, list[float]]] = {}      # every repeat's value, for the paired ratios
+    gcs, gc_lines = Collections(), []       # full collections pause the thread for ~0.2 s on a CUDA engine
     for what, fn in measures:  # engines alternate within each repeat, so drift hits all alike
         print(f"# {what}", file=sys.stderr, flush=True)
         samples: dict[str, list[float]] = {e.name: [] for e in engines}
         step_ms: dict[str, list[float]] = {e.name: [] for e in engines}    # ours: each decode step's wall time
         for e in engines:
             fn(e)  # warm-up
+        if not args.no_freeze:   # the warm engines' objects out of later full collections, as the app does
+            freeze()
+        gcs.label = what
         for _ in range(args.repeats):
             for e in engines:
                 value = fn(e)
@@ -127,6 +134,8 @@ def _main(argv=None) -> int:
                     samples[e.name].append(value)
                 if what.startswith("decode @"):
                     step_ms[e.name] += getattr(e, "step_ms", None) or []
+        gcs.label = None
+        gc_lines.append(f"{what}: " + gcs.line(what, args.repeats * len(engines), "run"))
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
         raw[what] = samples
         if any(step_ms.values()):  # a mean over an answer against its steps' median: a few slow steps show here
@@ -173,6 +182,10 @@ def _main(argv=None) -> int:
             cost = _speedup(vals[base], vals[n], what)          # the untraced run against the traced
             line += f"   tracing costs {base} {100 * (cost - 1):+.1f}%"
         print(line)
+    print("\nPython's collections while the runs were timed" + (" (warm engines frozen out of them: app/heap.py)"
+          if not args.no_freeze else " (--no-freeze)"))
+    for line in gc_lines:
+        print(f"  {line}")
     for line in extra["lines"]:
         print(line)
     if args.json:
