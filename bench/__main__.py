@@ -139,11 +139,12 @@ def _main(argv=None) -> int:
         rows[what] = {name: statistics.median(v) for name, v in samples.items() if v}
         raw[what] = samples
         if any(step_ms.values()):  # a mean over an answer against its steps' median: a few slow steps show here
+            at = what.split("@")[1].split()[0]
             for label, f in (("median step", statistics.median), ("slowest step", max)):
-                row = f"  {label} @{what.split('@')[1].split()[0]} (ms)"
+                row = f"  {label} @{at} (ms)"
                 rows[row] = {n: f(v) for n, v in step_ms.items() if v}
-                raw[row] = {n: list(v) for n, v in step_ms.items() if v}      # (every step, in the file)
                 bare.add(row)
+            raw[f"  median step @{at} (ms)"] = {n: v for n, v in step_ms.items() if v}   # (every step, in the file)
         print("#   " + ", ".join(f"{n} {v:,.2f}" for n, v in rows[what].items()), file=sys.stderr, flush=True)
         if args.json:             # what is measured so far, should the run be cut short (a lent machine's limit)
             _write(args.json, {"partial": True, "rows": rows, "repeats": raw})
