@@ -7,7 +7,7 @@ reads the row once and writes it to both places. `store_tokens_reference` is the
 prompts (more than MAX_TOKENS rows) and the test reference.
 
 Layouts: k, v [T, Hkv, D]; caches [blocks, block_size, Hkv, D] (views with any strides, the last one 1); slots [2, T]
-(block, offset) on the device; keep [2, block_size, Hkv, D] (K and V of the decode buffer) and at [1] (the offset
+(block, offset) on the device, any strides (gpu mode's prefill passes the transpose of [T, 2] rows); keep [2, block_size, Hkv, D] (K and V of the decode buffer) and at [1] (the offset
 there), both optional.
 """
 from engine.ops.attention import store_kv
@@ -30,12 +30,12 @@ def store_tokens_reference(k, v, k_cache, v_cache, slots, keep=None, at=None) ->
 if triton is not None:
     @triton.jit
     def _store_tokens_kernel(k, v, kc, vc, slots, keep, at, s_t, s_h, s_vt, s_vh, c_b, c_o, c_h, vc_b, vc_o, vc_h,
-                             s_slot, w_kv, w_o, w_h, D: tl.constexpr, DP: tl.constexpr, KEEP: tl.constexpr):
+                             s_slot, s_st, w_kv, w_o, w_h, D: tl.constexpr, DP: tl.constexpr, KEEP: tl.constexpr):
         kv, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         d = tl.arange(0, DP)
         m = d < D
-        blk = tl.load(slots + t).to(tl.int64)
-        off = tl.load(slots + s_slot + t).to(tl.int64)
+        blk = tl.load(slots + t * s_st).to(tl.int64)
+        off = tl.load(slots + s_slot + t * s_st).to(tl.int64)
         if kv == 0:
             x = tl.load(k + t * s_t + h * s_h + d, mask=m)
             tl.store(kc + blk * c_b + off * c_o + h * c_h + d, x, mask=m)
@@ -57,6 +57,6 @@ def store_tokens(k, v, k_cache, v_cache, slots, keep=None, at=None, kernel: bool
     w = keep if keep is not None else k_cache
     _store_tokens_kernel[(2, hkv, t)](
         k, v, k_cache, v_cache, slots, w, slots if at is None else at, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], slots.stride(0),
+        v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *slots.stride(),
         *(w.stride()[:3] if keep is not None else (0, 0, 0)), D=d, DP=triton.next_power_of_2(d),
         KEEP=keep is not None, num_warps=1)

@@ -54,3 +54,19 @@ def test_several_tokens_of_a_strided_row_across_blocks():
         store_tokens(k, v, K, V, slots, kernel=kernel)
     assert torch.equal(buf, want)
     assert torch.equal(buf[1, 0, :, 0], k[1])
+
+
+def test_a_prefills_slots_as_a_transposed_view():
+    """gpu mode's prefill builds slots as [T, 2] rows and passes their transpose ([2, T], stride 1 between block and
+    offset): a short prompt (up to MAX_TOKENS rows) takes the kernel, which must follow both strides."""
+    buf, _ = caches(blocks=4)
+    want = buf.clone()
+    k, v = torch.randn(2, 11, 2, 24, device=DEV)
+    slots = torch.tensor([(b, o) for b, o in zip([3] * 5 + [0] * 6, [3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5])],
+                         device=DEV).T
+    assert slots.stride() == (1, 2)
+    for b, kernel in ((buf, True), (want, False)):
+        K, V = b[:, 0].transpose(1, 2), b[:, 1].transpose(1, 2)
+        store_tokens(k, v, K, V, slots, kernel=kernel)
+    assert torch.equal(buf, want)
+    assert torch.equal(buf[0, 1, :, 5], v[10])
