@@ -6,7 +6,8 @@
     python -m bench --shape qwen3-4b --lengths 32768,131072 --modes gpu,layerwise \
         --policies full,minference,xattention,quest:token_budget=2048 --no-transformers
 
-A policy runs on the same engine as its mode's full (switched between requests); its rows compare with that.
+A policy runs on the same engine as its mode's full (switched between requests, then warmed up as the app does:
+`LLM.warm_up`, untimed; the switches' cost is printed after the table); its rows compare with that.
 
 Prompts are random token ids, fresh per repeat (so the prefix cache never helps). Decode is timed from the
 first answer token to the last, at a context of the prompt length. Absolute times only mean something on a GPU.
@@ -187,10 +188,14 @@ def _main(argv=None) -> int:
           if not args.no_freeze else " (--no-freeze)"))
     for line in gc_lines:
         print(f"  {line}")
+    switches = {o.base: o.switch_s for o in bases if o.switch_s}
+    if switches:                    # (untimed: a switch warms the new policy up before its runs, as the app does)
+        print("policy switches, set_policy + warm_up (s, median): " + ", ".join(
+            f"{b} {statistics.median(s):.2f} over {len(s)}" for b, s in switches.items()))
     for line in extra["lines"]:
         print(line)
     if args.json:
-        _write(args.json, {"setup": desc, "rows": rows, "repeats": raw, "offload": extra["data"]})
+        _write(args.json, {"setup": desc, "rows": rows, "repeats": raw, "offload": extra["data"], "switch_s": switches})
     return 0
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from app.heap import freeze
 from bench.shapes import shape_config
 from engine import LLM, SamplingParams
 from engine.step import StepContext
@@ -53,6 +54,8 @@ class Ours:
         self.gen = torch.Generator().manual_seed(0)
         self.vocab = self.llm.args.vocab_size
         self.text_ids = _text_ids(self.llm, args.text) if getattr(args, "text", None) else None
+        self.freeze = not getattr(args, "no_freeze", False)
+        self.switch_s: list[float] = []      # each switch's set_policy + warm-up (the base engine's, shared)
         self.base, self.policy, self.params = self.name, "full", {}
         if policy != "full":
             self.name, self.policy, self.params = _label(self.name, policy, params), policy, params or {}
@@ -64,9 +67,17 @@ class Ours:
         return v
 
     def _use(self, **extra) -> None:
+        """Switch the engine to this variant's policy as the app does: set_policy, then warm_up (a switch drops the
+        graphs that ran the old policy's work; without it the first answer's first steps capture them anew:
+        50-135 ms each for six steps at 128K on an H200), then the new objects out of full collections."""
         want = (self.policy, {**self.params, **extra})
         if (self.llm.config.policy, self.llm.config.policy_params) != want:
+            t = time.perf_counter()
             self.llm.set_policy(*want)
+            self.llm.warm_up()
+            if self.freeze:
+                freeze()
+            self.switch_s.append(time.perf_counter() - t)
 
     def _prompt(self, n: int) -> list[int]:
         """n random token ids, or n tokens of the text from a random place (the text repeated as needed)."""
