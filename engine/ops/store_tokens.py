@@ -7,8 +7,8 @@ reads the row once and writes it to both places. `store_tokens_reference` is the
 prompts (more than MAX_TOKENS rows) and the test reference.
 
 Layouts: k, v [T, Hkv, D]; caches [blocks, block_size, Hkv, D] (views with any strides, the last one 1); slots [2, T]
-(block, offset) on the device, any strides (gpu mode's prefill passes the transpose of [T, 2] rows); keep [2, block_size, Hkv, D] (K and V of the decode buffer) and at [1] (the offset
-there), both optional.
+(block, offset) on the device, any strides (gpu mode's prefill passes the transpose of [T, 2] rows); keep
+[2, block_size, Hkv, D] (K and V of the decode buffer) and at [1] (the offset there), both optional.
 """
 from engine.ops.attention import store_kv
 

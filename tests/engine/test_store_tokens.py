@@ -62,8 +62,8 @@ def test_a_prefills_slots_as_a_transposed_view():
     buf, _ = caches(blocks=4)
     want = buf.clone()
     k, v = torch.randn(2, 11, 2, 24, device=DEV)
-    slots = torch.tensor([(b, o) for b, o in zip([3] * 5 + [0] * 6, [3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5])],
-                         device=DEV).T
+    rows = [(3, o) for o in range(3, 8)] + [(0, o) for o in range(6)]      # (block, offset) per token, [T, 2]
+    slots = torch.tensor(rows, device=DEV).T
     assert slots.stride() == (1, 2)
     for b, kernel in ((buf, True), (want, False)):
         K, V = b[:, 0].transpose(1, 2), b[:, 1].transpose(1, 2)
