@@ -69,11 +69,14 @@ class Ours:
     def _use(self, **extra) -> None:
         """Switch the engine to this variant's policy as the app does: set_policy, then warm_up (a switch drops the
         graphs that ran the old policy's work; without it the first answer's first steps capture them anew:
-        50-135 ms each for six steps at 128K on an H200), then the new objects out of full collections."""
+        50-135 ms each for six steps at 128K on an H200), then the new objects out of full collections. A run with
+        `extra` parameters (Quest's recall) times nothing: no warm-up for it."""
         want = (self.policy, {**self.params, **extra})
         if (self.llm.config.policy, self.llm.config.policy_params) != want:
             t = time.perf_counter()
             self.llm.set_policy(*want)
+            if extra:
+                return
             self.llm.warm_up()
             if self.freeze:
                 freeze()
